@@ -1,0 +1,139 @@
+"""The ``nibble`` command: ``nibble serve`` (more subcommands register the same way).
+
+``nibble serve`` builds the engine from the flags, puts the OpenAI gateway in
+front of it and runs uvicorn. SIGINT/SIGTERM stop accepting requests, let
+running ones finish for a few seconds (then abort them), shut the engine down
+and exit 0; a second signal forces the exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from collections.abc import Callable, Iterator
+
+from .config import NibbleConfig, add_engine_args, add_server_args, config_from_args
+from .errors import ConfigError, FatalError
+
+log = logging.getLogger("nibble.serve")
+
+GRACEFUL_SHUTDOWN_S = 5        # open streams get this long before they are cancelled (and aborted)
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def setup_logging(level: str) -> None:
+    numeric = logging.getLevelName(level.upper())
+    if not isinstance(numeric, int):
+        raise ConfigError(f"--log-level must be one of debug|info|warning|error|critical, "
+                          f"got {level!r}")
+    logging.basicConfig(level=numeric, format=LOG_FORMAT, force=True)
+
+
+def _url(host: str, port: int) -> str:
+    shown = "127.0.0.1" if host in ("0.0.0.0", "") else host
+    return f"http://[{shown}]:{port}" if ":" in shown else f"http://{shown}:{port}"
+
+
+def _make_server(app, cfg: NibbleConfig):
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            # serve() installs its own handlers and re-raises the signal when it returns,
+            # which would kill the process before the engine shuts down; run_serve owns them.
+            yield
+
+    s = cfg.server
+    config = uvicorn.Config(app, host=s.host, port=s.port, log_level=s.log_level.lower(),
+                            log_config=None, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+    return _Server(config)
+
+
+def _install_signal_handlers(server) -> Callable[[], None]:
+    loop = asyncio.get_running_loop()
+
+    def on_signal(sig: signal.Signals) -> None:
+        if server.should_exit:
+            log.warning("second %s: forcing exit", sig.name)
+            server.force_exit = True
+        else:
+            log.info("%s received: shutting down", sig.name)
+            server.should_exit = True
+
+    sigs = (signal.SIGINT, signal.SIGTERM)
+    for sig in sigs:
+        loop.add_signal_handler(sig, on_signal, sig)
+    return lambda: [loop.remove_signal_handler(sig) for sig in sigs]
+
+
+async def _log_when_started(server, cfg: NibbleConfig, model_name: str) -> None:
+    while not server.started:
+        await asyncio.sleep(0.05)
+    url = _url(cfg.server.host, cfg.server.port)
+    log.info("Nibble is serving %r at %s (OpenAI API: %s/v1, health: %s/health)",
+             model_name, url, url, url)
+
+
+async def run_serve(cfg: NibbleConfig) -> int:
+    """Build the engine, serve until a signal, shut everything down; returns the exit code."""
+    from .engine.async_engine import build_engine   # heavy (torch, model code): import late
+    from .gateway import create_app
+
+    engine = build_engine(cfg)
+    try:
+        server = _make_server(create_app(engine, cfg.server), cfg)
+        remove_handlers = _install_signal_handlers(server)
+        announcer = asyncio.create_task(_log_when_started(server, cfg, engine.model_name))
+        try:
+            await server.serve()
+        finally:
+            announcer.cancel()
+            remove_handlers()
+        if not server.started:
+            log.error("the HTTP server did not start (is port %d free?)", cfg.server.port)
+            return 1
+        return 0
+    finally:
+        log.info("shutting down the engine")
+        await engine.shutdown()
+        log.info("bye")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
+    return asyncio.run(run_serve(cfg))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="nibble", description="Nibble LLM inference server")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    serve = sub.add_parser("serve", help="serve a model over the OpenAI API",
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_engine_args(serve)
+    add_server_args(serve)
+    serve.set_defaults(func=cmd_serve)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        setup_logging(getattr(args, "log_level", "info"))
+        return args.func(args)
+    except ConfigError as exc:
+        parser.error(str(exc))           # exits 2 with usage, like any bad flag
+    except FatalError as exc:
+        log.error("%s: %s", type(exc).__name__, exc)
+        return 1
+    except KeyboardInterrupt:            # a signal before the server took over signals
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""The one configuration tree: frozen dataclasses built once from CLI flags.
+
+Flag names follow SGLang/vLLM. Each component receives only its own slice
+(``cfg.cache``, ``cfg.scheduler`` ...); nothing reads a global.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+
+from nibble.kernels import KV_CACHE_FORMATS
+
+from .errors import ConfigError
+
+DEFAULT_PORT = 30000
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_path: str | None = None          # HF safetensors dir or .gguf file; None = embedded SmolLM2
+    served_model_name: str | None = None   # name in /v1/models; default derived from the path
+    dtype: str = "auto"                    # compute dtype: auto|float32|bfloat16|float16
+    context_length: int | None = None      # cap on prompt + output tokens; None = model's
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    kv_cache_dtype: str = "nvfp4"          # a registered KV format; "auto" = model dtype -> bf16
+    page_size: int = 16                    # tokens per page
+    mem_fraction_static: float | None = None  # fraction of device memory for weights + KV pool
+    max_total_tokens: int | None = None    # pool capacity in tokens; overrides mem fraction
+    prefill_kv_dtype: str = "auto"         # fp8_e4m3: cast fresh K/V (and extend workspace) to FP8
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_running_requests: int = 64         # decode batch cap
+    chunked_prefill_size: int = 512        # max prefill tokens of one request per step
+    max_prefill_tokens: int = 2048         # token budget of one step (prefill chunks + decodes)
+    max_queued_requests: int | None = None  # admission gate (later: 503 beyond it)
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    device: str = "auto"                   # auto|cpu|cuda
+    attention_backend: str = "auto"        # auto|torch|triton
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    log_level: str = "info"
+
+
+@dataclass(frozen=True)
+class NibbleConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Register the engine flags (shared by ``serve`` and the benchmarks)."""
+    d = NibbleConfig()
+    g = p.add_argument_group("model")
+    g.add_argument("--model-path", default=None, help="HF safetensors dir or GGUF file (default: embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--served-model-name", default=None)
+    g.add_argument("--dtype", default=d.model.dtype, choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--context-length", type=int, default=None)
+    g = p.add_argument_group("KV cache")
+    g.add_argument("--kv-cache-dtype", default=d.cache.kv_cache_dtype,
+                   choices=["auto", *sorted(KV_CACHE_FORMATS)])
+    g.add_argument("--page-size", type=int, default=d.cache.page_size)
+    g.add_argument("--mem-fraction-static", type=float, default=None)
+    g.add_argument("--max-total-tokens", type=int, default=None)
+    g.add_argument("--prefill-kv-dtype", default=d.cache.prefill_kv_dtype, choices=["auto", "fp8_e4m3"])
+    g = p.add_argument_group("scheduler")
+    g.add_argument("--max-running-requests", type=int, default=d.scheduler.max_running_requests)
+    g.add_argument("--chunked-prefill-size", type=int, default=d.scheduler.chunked_prefill_size)
+    g.add_argument("--max-prefill-tokens", type=int, default=d.scheduler.max_prefill_tokens)
+    g.add_argument("--max-queued-requests", type=int, default=None)
+    g = p.add_argument_group("device")
+    g.add_argument("--device", default=d.device.device, choices=["auto", "cpu", "cuda"])
+    g.add_argument("--attention-backend", default=d.device.attention_backend,
+                   choices=["auto", "torch", "triton"])
+
+
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    d = ServerConfig()
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default=d.host)
+    g.add_argument("--port", type=int, default=d.port)
+    g.add_argument("--log-level", default=d.log_level)
+
+
+def config_from_args(ns: argparse.Namespace) -> NibbleConfig:
+    """Build and validate the config tree from parsed flags (server flags optional)."""
+    get = lambda name, default=None: getattr(ns, name, default)  # noqa: E731
+    cfg = NibbleConfig(
+        model=ModelConfig(ns.model_path, ns.served_model_name, ns.dtype, ns.context_length),
+        cache=CacheConfig(ns.kv_cache_dtype, ns.page_size, ns.mem_fraction_static,
+                          ns.max_total_tokens, ns.prefill_kv_dtype),
+        scheduler=SchedulerConfig(ns.max_running_requests, ns.chunked_prefill_size,
+                                  ns.max_prefill_tokens, ns.max_queued_requests),
+        device=DeviceConfig(ns.device, ns.attention_backend),
+        server=ServerConfig(get("host", "127.0.0.1"), get("port", DEFAULT_PORT),
+                            get("log_level", "info")),
+    )
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: NibbleConfig) -> None:
+    """Reject inconsistent settings with a message naming the flag."""
+    c, s = cfg.cache, cfg.scheduler
+    if c.page_size <= 0 or c.page_size & (c.page_size - 1):
+        raise ConfigError(f"--page-size must be a power of two, got {c.page_size}")
+    if c.mem_fraction_static is not None and not 0 < c.mem_fraction_static < 1:
+        raise ConfigError(f"--mem-fraction-static must be in (0, 1), got {c.mem_fraction_static}")
+    if c.max_total_tokens is not None and c.max_total_tokens < c.page_size:
+        raise ConfigError(f"--max-total-tokens must be >= --page-size ({c.page_size})")
+    if s.max_running_requests <= 0 or s.chunked_prefill_size <= 0 or s.max_prefill_tokens <= 0:
+        raise ConfigError("--max-running-requests, --chunked-prefill-size and "
+                          "--max-prefill-tokens must be > 0")
+    if cfg.model.context_length is not None and cfg.model.context_length <= 0:
+        raise ConfigError("--context-length must be > 0")

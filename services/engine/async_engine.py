@@ -1,0 +1,156 @@
+"""Asyncio front of the engine: the step loop runs on its own thread.
+
+Requests and aborts reach the loop through a thread-safe inbox; outputs go back
+to each request's asyncio queue with ``call_soon_threadsafe``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from dataclasses import asdict
+from typing import AsyncIterator
+
+from ..config import NibbleConfig
+from ..errors import EngineDeadError, NibbleError
+from .builder import EngineParts, build_parts
+from .engine import EngineCore
+from .types import FinishReason, GenerateRequest, RequestOutput, Usage
+
+log = logging.getLogger(__name__)
+
+
+class AsyncEngine:
+    """Thread-backed async wrapper around :class:`EngineCore`."""
+
+    def __init__(self, parts: EngineParts, cfg: NibbleConfig):
+        self.cfg = cfg
+        self.parts = parts
+        self.core: EngineCore = parts.core
+        self.tokenizer = parts.tokenizer
+        self.model_name = parts.model_name
+        self.context_length = self.core.max_request_tokens
+        self._inbox: queue.Queue = queue.Queue()
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._dead: str | None = None
+        self._thread = threading.Thread(target=self._loop, name="nibble-engine", daemon=True)
+        self._thread.start()
+
+    # ---- client side (event loop thread) ----
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        """Submit ``req`` and yield its updates until it finishes.
+
+        Raises InvalidRequestError before yielding if the request can never run.
+        Closing the generator early (client gone) aborts the request.
+        """
+        if self._dead:
+            raise EngineDeadError(self._dead)
+        self.core.validate(req)
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            self._queues[req.request_id] = (loop, q)
+        self._inbox.put(("add", req))
+        finished = False
+        try:
+            while True:
+                out: RequestOutput = await q.get()
+                finished = out.finished
+                yield out
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(req.request_id)
+            with self._lock:
+                self._queues.pop(req.request_id, None)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request from any thread; its stream ends with finish_reason ABORT."""
+        self._inbox.put(("abort", request_id))
+
+    def is_healthy(self) -> bool:
+        return self._dead is None and self._thread.is_alive()
+
+    def server_info(self) -> dict:
+        pool = self.core.pool
+        return {
+            "model": self.model_name,
+            "config": asdict(self.cfg),
+            "context_length": self.context_length,
+            "capacity": pool.capacity().as_dict(),
+            "kv_bytes_per_token": self.parts.bytes_per_token_by_format,
+            "kv_pool": {"total_pages": pool.num_pages, "free_pages": pool.allocator.num_free,
+                        "page_size": pool.layout.page_size},
+            "running_requests": self.core.num_running(),
+            "queued_requests": self.core.num_waiting(),
+            "device": str(pool.device),
+            "attention_backend": self.parts.backend_name,
+        }
+
+    async def shutdown(self) -> None:
+        self._stopping.set()
+        self._inbox.put(("wake", None))
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 10)
+
+    # ---- engine thread ----
+    def _deliver(self, out: RequestOutput) -> None:
+        with self._lock:
+            target = self._queues.get(out.request_id)
+        if target is not None:
+            loop, q = target
+            loop.call_soon_threadsafe(q.put_nowait, out)
+
+    def _handle(self, kind: str, payload) -> None:
+        if kind == "add":
+            try:
+                self.core.add_request(payload)
+            except NibbleError as e:
+                self._deliver(RequestOutput(payload.request_id, [], "", True, FinishReason.ABORT,
+                                            self._zero_usage(payload), error=str(e)))
+        elif kind == "abort":
+            out = self.core.abort(payload)
+            if out is not None:
+                self._deliver(out)
+
+    @staticmethod
+    def _zero_usage(req: GenerateRequest) -> Usage:
+        return Usage(len(req.prompt_token_ids), 0, 0)
+
+    def _drain(self, block: bool) -> None:
+        try:
+            kind, payload = self._inbox.get(timeout=0.5 if block else None) if block \
+                else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        self._handle(kind, payload)
+        while True:
+            try:
+                kind, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            self._handle(kind, payload)
+
+    def _loop(self) -> None:
+        while not self._stopping.is_set():
+            self._drain(block=not self.core.has_unfinished())
+            if not self.core.has_unfinished():
+                continue
+            try:
+                outs = self.core.step()
+            except Exception as e:  # noqa: BLE001 - a bug must not kill the server
+                log.exception("engine step failed; failing the running requests")
+                outs = self.core.fail_all(f"internal engine error: {type(e).__name__}: {e}")
+            for out in outs:
+                self._deliver(out)
+        for out in self.core.fail_all("server shutting down"):
+            self._deliver(out)
+
+
+def build_engine(cfg: NibbleConfig) -> AsyncEngine:
+    """Load the model, size the KV pool, log capacity and start the engine thread."""
+    return AsyncEngine(build_parts(cfg), cfg)

@@ -1,0 +1,103 @@
+"""Builds the engine's parts from the config tree: model, pool, backend, runner."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from nibble.kernels import KV_CACHE_FORMATS, PageLayout
+from nibble.tiering import KVPool, pages_for_budget
+
+from ..attention import ATTENTION_BACKENDS
+from ..config import CacheConfig, DeviceConfig, NibbleConfig
+from ..errors import ConfigError
+from .engine import EngineCore
+from .model_runner import ModelRunner
+
+log = logging.getLogger(__name__)
+
+# Defaults for --mem-fraction-static: the share of device memory for weights + KV.
+DEFAULT_MEM_FRACTION = {"cuda": 0.85, "cpu": 0.10}
+# Kept free for activations beyond weights and KV.
+ACTIVATION_RESERVE_BYTES = {"cuda": 2 << 30, "cpu": 256 << 20}
+
+
+@dataclass
+class EngineParts:
+    core: EngineCore
+    tokenizer: object
+    model_name: str
+    fingerprint: str
+    backend_name: str
+    bytes_per_token_by_format: dict[str, float]
+
+
+def resolve_device(cfg: DeviceConfig) -> torch.device:
+    if cfg.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda was given but no CUDA device is available")
+    return torch.device(cfg.device)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+def device_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[1]
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def plan_num_pages(cfg: CacheConfig, layout: PageLayout, device: torch.device,
+                   weight_bytes: int) -> int:
+    """Pool size in pages from --max-total-tokens, else from --mem-fraction-static."""
+    if cfg.max_total_tokens is not None:
+        return -(-cfg.max_total_tokens // layout.page_size)
+    frac = cfg.mem_fraction_static or DEFAULT_MEM_FRACTION[device.type]
+    budget = device_memory_bytes(device) * frac - weight_bytes - ACTIVATION_RESERVE_BYTES[device.type]
+    pages = pages_for_budget(layout, int(budget))
+    if pages < 1:
+        raise ConfigError(f"--mem-fraction-static {frac} leaves no room for the KV pool "
+                          f"(weights take {weight_bytes / 2**30:.2f} GiB)")
+    return pages
+
+
+def build_parts(cfg: NibbleConfig) -> EngineParts:
+    from ..models.loader import load_model  # heavy import, deferred
+
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.model.dtype, device)
+    loaded = load_model(cfg.model.model_path, dtype, device)
+    arch = loaded.arch
+    kv_format = "bf16" if cfg.cache.kv_cache_dtype == "auto" else cfg.cache.kv_cache_dtype
+    geometry = dict(num_layers=arch.num_layers, num_kv_heads=arch.num_kv_heads,
+                    head_dim=arch.head_dim, page_size=cfg.cache.page_size)
+    layout = PageLayout(kv_format, **geometry)
+    weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+    pool = KVPool(layout, plan_num_pages(cfg.cache, layout, device, weight_bytes), device)
+    per_format = {name: PageLayout(name, **geometry).bytes_per_token for name in KV_CACHE_FORMATS}
+    backend_name = "torch" if cfg.device.attention_backend == "auto" else cfg.device.attention_backend
+    if backend_name not in ATTENTION_BACKENDS:
+        raise ConfigError(f"attention backend {backend_name!r} is not available; "
+                          f"known: {sorted(ATTENTION_BACKENDS)}")
+    backend = ATTENTION_BACKENDS[backend_name](pool, arch.sm_scale, cfg.cache.prefill_kv_dtype)
+    context = min(cfg.model.context_length or arch.max_position_embeddings,
+                  arch.max_position_embeddings)
+    core = EngineCore(ModelRunner(loaded.model, backend, device), pool, loaded.tokenizer,
+                      cfg.scheduler, context)
+    cap = pool.capacity()
+    log.info("KV pool: %s, %d pages x %d tokens = %d tokens, %.0f bytes/token, %.1f MiB",
+             cap.kv_format, cap.num_pages, cap.page_size, cap.max_tokens, cap.bytes_per_token,
+             cap.pool_bytes / 2**20)
+    log.info("bytes/token by format: %s; for the same bytes nvfp4 holds %.2fx the tokens of fp8",
+             {k: round(v, 1) for k, v in per_format.items()},
+             per_format["fp8_e4m3"] / per_format["nvfp4"])
+    name = cfg.model.served_model_name or loaded.name
+    return EngineParts(core, loaded.tokenizer, name, loaded.fingerprint, backend_name, per_format)

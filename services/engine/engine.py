@@ -1,0 +1,156 @@
+"""The synchronous engine core: add requests, step, abort.
+
+This is the interface prefill and decode workers reuse: ``add_request``,
+``step() -> list[RequestOutput]``, ``abort``. It is single-threaded; the async
+wrapper runs it on its own thread.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from nibble.tiering import KVPool
+
+from ..config import SchedulerConfig
+from ..errors import ContextLengthExceededError, InvalidRequestError
+from .detokenizer import IncrementalDetokenizer
+from .model_runner import ModelRunner
+from .scheduler import Scheduler
+from .sequence import Sequence
+from .stop import StopStringMatcher
+from .types import FinishReason, GenerateRequest, RequestOutput
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Stream:
+    """Text-side state of one request."""
+
+    detok: IncrementalDetokenizer
+    stop: StopStringMatcher
+
+
+class EngineCore:
+    """Continuous batching over one model and one KV pool.
+
+    Args:
+        runner: executes scheduled batches.
+        pool: the KV pool the scheduler allocates from.
+        tokenizer: ``decode`` for streaming text; ``eos_token_ids``.
+        sched_cfg: the scheduler's slice of the config.
+        context_length: max prompt + output tokens per request.
+    """
+
+    def __init__(self, runner: ModelRunner, pool: KVPool, tokenizer, sched_cfg: SchedulerConfig,
+                 context_length: int):
+        self.runner = runner
+        self.pool = pool
+        self.tokenizer = tokenizer
+        self.scheduler = Scheduler(sched_cfg, pool)
+        self.context_length = context_length
+        self.eos = frozenset(tokenizer.eos_token_ids)
+        self._seqs: dict[str, Sequence] = {}
+        self._streams: dict[str, _Stream] = {}
+
+    @property
+    def max_request_tokens(self) -> int:
+        """Longest request (prompt + output) the engine can ever hold."""
+        return min(self.context_length, self.pool.num_pages * self.pool.layout.page_size)
+
+    def validate(self, req: GenerateRequest) -> None:
+        """Raise InvalidRequestError for a request that can never run."""
+        n, m = len(req.prompt_token_ids), req.sampling.max_tokens
+        if n == 0:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        if m < 1:
+            raise InvalidRequestError(f"max_tokens must be >= 1, got {m}", param="max_tokens")
+        vocab = getattr(self.tokenizer, "vocab_size", None)
+        if vocab and any(not 0 <= t < vocab for t in req.prompt_token_ids):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
+        if n + m > self.max_request_tokens:
+            raise ContextLengthExceededError(
+                f"This model's maximum context length is {self.max_request_tokens} tokens. "
+                f"However, you requested {n + m} tokens ({n} in the prompt, {m} for the "
+                f"completion). Please reduce the prompt or max_tokens.",
+                param="max_tokens", code="context_length_exceeded")
+        if req.request_id in self._seqs:
+            raise InvalidRequestError(f"duplicate request id {req.request_id}")
+
+    def add_request(self, req: GenerateRequest) -> None:
+        self.validate(req)
+        seq = Sequence(req, list(req.prompt_token_ids), len(req.prompt_token_ids))
+        self._seqs[req.request_id] = seq
+        self._streams[req.request_id] = _Stream(
+            IncrementalDetokenizer(self.tokenizer, list(req.prompt_token_ids)),
+            StopStringMatcher(tuple(req.sampling.stop)))
+        self.scheduler.add(seq)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request and free its pages; returns its final output (None if unknown)."""
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            return None
+        seq.finish_reason = FinishReason.ABORT
+        return self._finish(seq, "")
+
+    def fail_all(self, message: str) -> list[RequestOutput]:
+        """Finish every request with an error (the step loop hit a bug)."""
+        outs = []
+        for seq in list(self._seqs.values()):
+            seq.finish_reason = FinishReason.ABORT
+            out = self._finish(seq, "")
+            out.error = message
+            outs.append(out)
+        return outs
+
+    def _finish(self, seq: Sequence, text: str) -> RequestOutput:
+        self.scheduler.remove(seq)
+        self.runner.release(seq.request_id)
+        del self._seqs[seq.request_id]
+        self._streams.pop(seq.request_id)
+        return RequestOutput(seq.request_id, [], text, True, seq.finish_reason, seq.usage())
+
+    def step(self) -> list[RequestOutput]:
+        """Run one batch; return an update for every request that produced a token."""
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return []
+        result = self.runner.execute(batch, self.pool.layout.page_size)
+        outputs = []
+        for entry in batch.seqs:
+            seq = self._seqs[entry.request_id]
+            seq.num_computed += len(entry.token_ids)
+            if entry.sample:
+                outputs.append(self._on_token(seq, result.sampled[entry.request_id]))
+        return outputs
+
+    def _on_token(self, seq: Sequence, token: int) -> RequestOutput:
+        seq.token_ids.append(token)
+        sp = seq.request.sampling
+        stream = self._streams[seq.request_id]
+        is_stop_token = (token in self.eos and not sp.ignore_eos) or token in sp.stop_token_ids
+        text, stopped = "", False
+        if not is_stop_token:
+            text, stopped = stream.stop.feed(stream.detok.push([token]))
+        if is_stop_token or stopped:
+            seq.finish_reason = FinishReason.STOP
+        elif seq.num_output >= sp.max_tokens or len(seq.token_ids) >= self.context_length:
+            seq.finish_reason = FinishReason.LENGTH
+        if seq.finish_reason is None:
+            return RequestOutput(seq.request_id, [token], text, False, None, seq.usage())
+        if not stopped:
+            text += stream.stop.feed(stream.detok.flush())[0] + stream.stop.flush()
+        out = self._finish(seq, text)
+        out.new_token_ids = [token]
+        return out

@@ -1,0 +1,71 @@
+"""Runs one ScheduledBatch through the model and samples the next tokens."""
+
+from __future__ import annotations
+
+import torch
+
+from ..attention import AttentionBackend, AttentionMetadata
+from .sampling import make_generator, sample
+from .types import ScheduledBatch, ScheduledSeq, WorkerOutput
+
+
+class ModelRunner:
+    """Owns the model, the attention backend and the per-request RNGs.
+
+    Args:
+        model: a ``CausalLM`` (``forward(input_ids[T], positions[T], attn)``,
+            ``compute_logits(hidden[N, H]) -> [N, V] float32``).
+        backend: the attention backend bound to the KV pool.
+        device: where activations live.
+    """
+
+    def __init__(self, model: torch.nn.Module, backend: AttentionBackend, device: torch.device):
+        self.model = model
+        self.backend = backend
+        self.device = device
+        self._generators: dict[str, torch.Generator | None] = {}
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request's RNG."""
+        self._generators.pop(request_id, None)
+
+    def _metadata(self, seqs: list[ScheduledSeq], page_size: int) -> AttentionMetadata:
+        starts, lens, cached, slots = [], [], [], []
+        pos = 0
+        width = max(len(s.block_table) for s in seqs)
+        tables = torch.zeros((len(seqs), width), dtype=torch.int32)
+        for i, s in enumerate(seqs):
+            starts.append(pos)
+            lens.append(len(s.token_ids))
+            cached.append(s.num_cached)
+            pos += len(s.token_ids)
+            tables[i, :len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
+            p = torch.arange(s.start_pos, s.start_pos + len(s.token_ids))
+            slots.append(tables[i, p // page_size].long() * page_size + p % page_size)
+        return AttentionMetadata(starts, lens, cached, torch.cat(slots), tables)
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch, page_size: int) -> WorkerOutput:
+        seqs = batch.seqs
+        if not seqs:
+            return WorkerOutput({})
+        ids = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.long,
+                           device=self.device)
+        positions = torch.cat([torch.arange(s.start_pos, s.start_pos + len(s.token_ids))
+                               for s in seqs]).to(self.device)
+        meta = self._metadata(seqs, page_size)
+        self.backend.plan(meta)
+        hidden = self.model(ids, positions, lambda layer, q, k, v: self.backend.forward(
+            layer, q, k, v, meta))
+        rows = [meta.seq_starts[i] + meta.new_lens[i] - 1 for i, s in enumerate(seqs) if s.sample]
+        if not rows:
+            return WorkerOutput({})
+        picked = [s for s in seqs if s.sample]
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        gens = []
+        for s in picked:
+            if s.request_id not in self._generators:
+                self._generators[s.request_id] = make_generator(s.sampling.seed, self.device)
+            gens.append(self._generators[s.request_id])
+        tokens = sample(logits, [s.sampling for s in picked], gens).tolist()
+        return WorkerOutput({s.request_id: t for s, t in zip(picked, tokens)})

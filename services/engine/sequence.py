@@ -1,0 +1,56 @@
+"""Per-request state the scheduler and engine keep between steps."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from nibble.tiering import PageId
+
+from .types import FinishReason, GenerateRequest, Usage
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"      # queued, or preempted and waiting to be recomputed
+    RUNNING = "running"      # holds pages, scheduled every step
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    """A request's tokens and where its KV lives.
+
+    ``token_ids`` is prompt + generated tokens. The first ``num_computed`` of
+    them have K/V stored in ``pages`` (``pages[i]`` holds tokens
+    ``i*page_size .. (i+1)*page_size-1``).
+    """
+
+    request: GenerateRequest
+    token_ids: list[int]
+    num_prompt: int
+    status: SeqStatus = SeqStatus.WAITING
+    num_computed: int = 0
+    pages: list[PageId] = field(default_factory=list)
+    cached_tokens: int = 0                 # prompt tokens reused from the prefix cache
+    finish_reason: FinishReason | None = None
+    num_preemptions: int = 0
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - self.num_prompt
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt:]
+
+    @property
+    def remaining(self) -> int:
+        """Tokens still to run before the next token can be sampled."""
+        return len(self.token_ids) - self.num_computed
+
+    def usage(self) -> Usage:
+        return Usage(self.num_prompt, self.num_output, self.cached_tokens)

@@ -1,0 +1,50 @@
+"""Nibble's one exception hierarchy (service level).
+
+``NibbleError`` is the root (defined in ``nibble.kernels.errors``).
+``RetryableError`` marks faults a client may retry (capacity, transient transport trouble); ``FatalError`` marks faults that will
+not go away by retrying (bad config, corrupt state). ``InvalidRequestError``
+is the client's fault and maps to HTTP 4xx / gRPC INVALID_ARGUMENT.
+"""
+
+from __future__ import annotations
+
+from nibble.kernels.errors import FatalError, NibbleError, RetryableError
+
+__all__ = ["NibbleError", "RetryableError", "FatalError"]  # extended below
+
+
+class ConfigError(FatalError):
+    """Inconsistent or invalid configuration flags."""
+
+
+class ModelLoadError(FatalError):
+    """A checkpoint could not be found or parsed."""
+
+
+class InvalidRequestError(NibbleError):
+    """The request itself is malformed (HTTP 400 / INVALID_ARGUMENT)."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+class ContextLengthExceededError(InvalidRequestError):
+    """Prompt plus requested tokens do not fit the context."""
+
+
+class ModelNotFoundError(NibbleError):
+    """The request names a model this server does not serve (HTTP 404)."""
+
+
+class OutOfPagesError(RetryableError):
+    """The KV pool has no free page for an allocation."""
+
+
+class QueueFullError(RetryableError):
+    """The admission queue is full (HTTP 503 with Retry-After)."""
+
+
+class EngineDeadError(FatalError):
+    """The engine loop stopped; no request can be served."""

@@ -1,0 +1,10 @@
+"""Model side of Nibble: architecture configs, the transformer, tokenizer and loaders."""
+
+from .base import AttentionFn
+from .config import ModelArchConfig
+from .llama import CausalLM
+from .loader import LoadedModel, default_model_path, load_model
+from .tokenizer import Tokenizer
+
+__all__ = ["AttentionFn", "CausalLM", "LoadedModel", "ModelArchConfig", "Tokenizer",
+           "default_model_path", "load_model"]

@@ -1,0 +1,207 @@
+"""Decoder-only transformer for Llama, Qwen2 and Qwen3 checkpoints.
+
+Runs on a flattened varlen token stream: ``T`` tokens from any number of
+sequences back to back, each with its own position. Everything except
+attention is per token, so sequence boundaries only matter inside the
+``AttentionFn`` the caller passes in.
+
+Weights are fused at load time: q/k/v into one ``[Hq*D + 2*Hkv*D, H]``
+matrix and gate/up into one ``[2*I, H]`` matrix, so a layer runs four GEMMs.
+Parameters use HF checkpoint names only at the ``load_weights`` boundary.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import ModelLoadError
+from .base import AttentionFn
+from .config import ModelArchConfig
+from .rope import RotaryCache, apply_rope
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim, statistics in float32, result in ``x.dtype`` (HF semantics)."""
+    normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
+    return weight * normed.to(x.dtype)
+
+
+def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class DecoderLayer(nn.Module):
+    """One pre-norm block: attention (fused qkv, GQA, RoPE) then SwiGLU MLP."""
+
+    def __init__(self, arch: ModelArchConfig, layer_id: int, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.arch, self.layer_id = arch, layer_id
+        h, qkv = arch.hidden_size, arch.q_size + 2 * arch.kv_size
+        p = lambda *s: _param(*s, dtype=dtype, device=device)  # noqa: E731
+        self.input_norm = p(h)
+        self.qkv_weight = p(qkv, h)
+        self.qkv_bias = p(qkv) if arch.attention_bias else None
+        self.q_norm = p(arch.head_dim) if arch.qk_norm else None
+        self.k_norm = p(arch.head_dim) if arch.qk_norm else None
+        self.o_weight = p(h, arch.q_size)
+        self.o_bias = p(h) if arch.o_bias else None
+        self.post_norm = p(h)
+        self.gate_up_weight = p(2 * arch.intermediate_size, h)
+        self.down_weight = p(h, arch.intermediate_size)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attn: AttentionFn) -> torch.Tensor:
+        """``x [T, H]`` -> ``[T, H]``; cos/sin ``[T, 1, D]`` in x's dtype."""
+        a = self.arch
+        t = x.shape[0]
+        h = rms_norm(x, self.input_norm, a.rms_norm_eps)
+        qkv = F.linear(h, self.qkv_weight, self.qkv_bias)
+        q, k, v = qkv.split([a.q_size, a.kv_size, a.kv_size], dim=-1)
+        q = q.view(t, a.num_heads, a.head_dim)
+        k = k.view(t, a.num_kv_heads, a.head_dim)
+        v = v.view(t, a.num_kv_heads, a.head_dim)
+        if self.q_norm is not None:
+            q = rms_norm(q, self.q_norm, a.rms_norm_eps)
+            k = rms_norm(k, self.k_norm, a.rms_norm_eps)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        o = attn(self.layer_id, q, k, v.contiguous())
+        x = x + F.linear(o.reshape(t, a.q_size), self.o_weight, self.o_bias)
+        h = rms_norm(x, self.post_norm, a.rms_norm_eps)
+        gate, up = F.linear(h, self.gate_up_weight).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, self.down_weight)
+
+
+# HF checkpoint name -> (our parameter path, fused part index or None).
+_LAYER_MAP = {
+    "input_layernorm.weight": ("input_norm", None),
+    "post_attention_layernorm.weight": ("post_norm", None),
+    "self_attn.q_proj.weight": ("qkv_weight", 0),
+    "self_attn.k_proj.weight": ("qkv_weight", 1),
+    "self_attn.v_proj.weight": ("qkv_weight", 2),
+    "self_attn.q_proj.bias": ("qkv_bias", 0),
+    "self_attn.k_proj.bias": ("qkv_bias", 1),
+    "self_attn.v_proj.bias": ("qkv_bias", 2),
+    "self_attn.q_norm.weight": ("q_norm", None),
+    "self_attn.k_norm.weight": ("k_norm", None),
+    "self_attn.o_proj.weight": ("o_weight", None),
+    "self_attn.o_proj.bias": ("o_bias", None),
+    "mlp.gate_proj.weight": ("gate_up_weight", 0),
+    "mlp.up_proj.weight": ("gate_up_weight", 1),
+    "mlp.down_proj.weight": ("down_weight", None),
+}
+_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+
+
+class CausalLM(nn.Module):
+    """Llama / Qwen2 / Qwen3 causal LM with parameters allocated (uninitialized) up front.
+
+    Build with ``CausalLM(arch, dtype, device)``, then ``load_weights`` with HF
+    names and ``finish_loading`` (checks completeness, ties the LM head).
+    """
+
+    def __init__(self, arch: ModelArchConfig, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu"):
+        super().__init__()
+        device = torch.device(device)
+        self.arch, self.dtype = arch, dtype
+        self.embed = _param(arch.vocab_size, arch.hidden_size, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(DecoderLayer(arch, i, dtype, device) for i in range(arch.num_layers))
+        self.norm = _param(arch.hidden_size, dtype=dtype, device=device)
+        self.lm_head = (self.embed if arch.tie_word_embeddings
+                        else _param(arch.vocab_size, arch.hidden_size, dtype=dtype, device=device))
+        self.rope = RotaryCache(arch)
+        self._loaded: set[tuple[str, int | None]] = set()
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                attn: AttentionFn) -> torch.Tensor:
+        """Run all layers on a varlen token stream.
+
+        Args:
+            input_ids: ``[T]`` int64 token ids, sequences back to back.
+            positions: ``[T]`` int64 position of each token within its sequence.
+            attn: attention callable (see ``AttentionFn``).
+
+        Returns:
+            ``[T, hidden]`` final-normed hidden states in the model dtype; feed
+            the rows to sample from into ``compute_logits``.
+        """
+        x = F.embedding(input_ids, self.embed)
+        cos, sin = self.rope.lookup(positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, attn)
+        return rms_norm(x, self.norm, self.arch.rms_norm_eps)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden [N, hidden]`` (from ``forward``) -> logits ``[N, vocab]`` float32."""
+        return F.linear(hidden, self.lm_head).float()
+
+    # ----------------------------------------------------------------- loading
+
+    def _target(self, name: str) -> tuple[nn.Parameter | None, int | None, str]:
+        if name == "model.embed_tokens.weight":
+            return self.embed, None, "embed"
+        if name == "model.norm.weight":
+            return self.norm, None, "norm"
+        if name == "lm_head.weight":
+            return (None if self.arch.tie_word_embeddings else self.lm_head), None, "lm_head"
+        m = _LAYER_RE.fullmatch(name)
+        if m and int(m.group(1)) < self.arch.num_layers and m.group(2) in _LAYER_MAP:
+            attr, part = _LAYER_MAP[m.group(2)]
+            param = getattr(self.layers[int(m.group(1))], attr)
+            if param is not None:
+                return param, part, f"layers.{m.group(1)}.{attr}"
+        raise ModelLoadError(f"unexpected tensor {name!r} for a {self.arch.arch} model")
+
+    def _part_slice(self, key: str, part: int | None, size: int) -> slice:
+        a = self.arch
+        if part is None:
+            return slice(0, size)
+        if key.endswith("gate_up_weight"):
+            return slice(part * a.intermediate_size, (part + 1) * a.intermediate_size)
+        starts = (0, a.q_size, a.q_size + a.kv_size, a.q_size + 2 * a.kv_size)
+        return slice(starts[part], starts[part + 1])
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into the (fused) parameters, casting to the model dtype.
+
+        A tied ``lm_head.weight`` is skipped; rotary ``inv_freq`` buffers are ignored.
+        Raises ``ModelLoadError`` for an unknown name or a shape mismatch.
+        """
+        for name, tensor in weights:
+            if _IGNORED.fullmatch(name):
+                continue
+            param, part, key = self._target(name)
+            if param is None:
+                continue
+            sl = self._part_slice(key, part, param.shape[0])
+            dst = param[sl]
+            if tuple(dst.shape) != tuple(tensor.shape):
+                raise ModelLoadError(f"tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                     f"expected {tuple(dst.shape)}")
+            dst.copy_(tensor)
+            self._loaded.add((key, part))
+
+    def finish_loading(self) -> None:
+        """Check every parameter (and every fused part) was loaded; release the tracking set."""
+        missing = []
+        for name, param in self.named_parameters():
+            key = {"embed": "embed", "norm": "norm", "lm_head": "lm_head"}.get(name, name)
+            parts = (0, 1, 2) if "qkv" in key else (0, 1) if "gate_up" in key else (None,)
+            missing += [f"{key}[{p}]" if p is not None else key
+                        for p in parts if (key, p) not in self._loaded]
+        if missing:
+            shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
+            raise ModelLoadError(f"checkpoint is missing {len(missing)} tensors: {shown}")
+        self._loaded.clear()
+        self.eval()

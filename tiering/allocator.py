@@ -1,0 +1,126 @@
+"""Page allocator: typed page ids, reference counts and an O(1) free list.
+
+The free list is a doubly linked list over page ids (arrays, no Python
+objects per page) so that a page can be taken from the head, returned to the
+tail, or removed from the middle in O(1). Freed pages go to the tail, so the
+head is always the least recently freed page; the prefix cache relies on this
+order for LRU eviction.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, NewType
+
+from nibble.kernels.errors import FatalError
+
+PageId = NewType("PageId", int)
+_NIL = -1
+
+
+class PageAllocError(FatalError):
+    """Invalid allocator use (double free, unknown page) or too few free pages."""
+
+
+class PageAllocator:
+    """Allocates page ids ``0 .. num_pages-1``.
+
+    Invariants: a page is either on the free list with refcount 0, or off it
+    with refcount >= 1.
+    """
+
+    def __init__(self, num_pages: int):
+        if num_pages <= 0:
+            raise PageAllocError(f"num_pages must be > 0, got {num_pages}")
+        self.num_pages = num_pages
+        self._ref = [0] * num_pages
+        self._prev = [i - 1 for i in range(num_pages)]
+        self._next = [i + 1 for i in range(num_pages)]
+        self._next[-1] = _NIL
+        self._head, self._tail = 0, num_pages - 1
+        self._in_free = [True] * num_pages
+        self._num_free = num_pages
+
+    @property
+    def num_free(self) -> int:
+        return self._num_free
+
+    @property
+    def num_used(self) -> int:
+        return self.num_pages - self._num_free
+
+    def refcount(self, page: PageId) -> int:
+        return self._ref[self._check(page)]
+
+    def _check(self, page: int) -> int:
+        if not 0 <= page < self.num_pages:
+            raise PageAllocError(f"page id {page} out of range [0, {self.num_pages})")
+        return page
+
+    def _unlink(self, page: int) -> None:
+        p, n = self._prev[page], self._next[page]
+        if p == _NIL:
+            self._head = n
+        else:
+            self._next[p] = n
+        if n == _NIL:
+            self._tail = p
+        else:
+            self._prev[n] = p
+        self._prev[page] = self._next[page] = _NIL
+        self._in_free[page] = False
+        self._num_free -= 1
+
+    def _append(self, page: int) -> None:
+        self._prev[page], self._next[page] = self._tail, _NIL
+        if self._tail == _NIL:
+            self._head = page
+        else:
+            self._next[self._tail] = page
+        self._tail = page
+        self._in_free[page] = True
+        self._num_free += 1
+
+    def allocate(self, n: int) -> list[PageId]:
+        """Take ``n`` pages from the head of the free list, refcount 1 each.
+
+        Raises PageAllocError (nothing taken) when fewer than ``n`` are free.
+        """
+        if n > self._num_free:
+            raise PageAllocError(f"asked for {n} pages, {self._num_free} free")
+        out = []
+        for _ in range(n):
+            page = self._head
+            self._unlink(page)
+            self._ref[page] = 1
+            out.append(PageId(page))
+        return out
+
+    def incref(self, pages: Iterable[PageId]) -> None:
+        """Add a reference; a free page is taken off the free list (a cache hit)."""
+        for page in pages:
+            self._check(page)
+            if self._in_free[page]:
+                self._unlink(page)
+            self._ref[page] += 1
+
+    def free(self, pages: Iterable[PageId]) -> None:
+        """Drop one reference each; pages reaching 0 return to the free-list tail.
+
+        Pages are returned in the given order, so freeing a sequence's pages
+        tail-first keeps its prefix longest in the cache.
+        """
+        for page in pages:
+            self._check(page)
+            if self._ref[page] <= 0:
+                raise PageAllocError(f"double free of page {page}")
+            self._ref[page] -= 1
+            if self._ref[page] == 0:
+                self._append(page)
+
+    def free_list(self) -> list[PageId]:
+        """The free pages from head to tail (for tests and debugging; O(free))."""
+        out, page = [], self._head
+        while page != _NIL:
+            out.append(PageId(page))
+            page = self._next[page]
+        return out

@@ -1,0 +1,84 @@
+"""The device KV pool (tier L1): one page tensor, global scales, an allocator.
+
+Only this module and the tier manager (later) touch page bytes; everything
+else holds page ids.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from nibble.kernels import LayerPages, PageLayout
+
+from .allocator import PageAllocator, PageId
+
+
+@dataclass(frozen=True)
+class PoolCapacity:
+    """What the pool holds, for logs and /get_server_info."""
+
+    kv_format: str
+    page_size: int
+    num_pages: int
+    max_tokens: int
+    bytes_per_token: float
+    pool_bytes: int
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def pages_for_budget(layout: PageLayout, budget_bytes: int) -> int:
+    """How many whole pages fit in ``budget_bytes``."""
+    return max(0, int(budget_bytes) // layout.page_nbytes)
+
+
+class KVPool:
+    """Pages of every layer for one model, with their per-layer global scales.
+
+    ``pages``: uint8 ``[num_pages, num_layers, layer_nbytes]`` (see kernels.layout).
+    ``global_scales``: float32 ``[num_layers, 2]`` (K, V); ``scale_version``
+    increases whenever they change, and travels with every stored page.
+    """
+
+    def __init__(self, layout: PageLayout, num_pages: int, device: torch.device | str = "cpu"):
+        self.layout = layout
+        self.device = torch.device(device)
+        self.pages = layout.allocate(num_pages, self.device)
+        self.global_scales = torch.ones((layout.num_layers, 2), dtype=torch.float32)
+        self.scale_version = 0
+        self.allocator = PageAllocator(num_pages)
+        self._views = [layout.layer_view(self.pages, i) for i in range(layout.num_layers)]
+
+    @property
+    def num_pages(self) -> int:
+        return self.allocator.num_pages
+
+    def layer(self, layer: int) -> LayerPages:
+        return self._views[layer]
+
+    def scales(self, layer: int) -> tuple[float, float]:
+        """(k_scale, v_scale) of ``layer`` as Python floats."""
+        k, v = self.global_scales[layer].tolist()
+        return k, v
+
+    def set_global_scales(self, scales: torch.Tensor) -> None:
+        """Replace the per-layer scales (only valid while no page is in use)."""
+        if self.allocator.num_used:
+            raise RuntimeError("global scales can only change while the pool is empty")
+        self.global_scales = scales.to(torch.float32).clone()
+        self.scale_version += 1
+
+    def capacity(self) -> PoolCapacity:
+        lay = self.layout
+        return PoolCapacity(lay.kv_format, lay.page_size, self.num_pages,
+                            self.num_pages * lay.page_size, lay.bytes_per_token,
+                            self.num_pages * lay.page_nbytes)
+
+    def allocate(self, n: int) -> list[PageId]:
+        return self.allocator.allocate(n)
+
+    def free(self, pages: list[PageId]) -> None:
+        self.allocator.free(pages)
