@@ -43,12 +43,14 @@ FORMATS = ("nvfp4", "fp8_e4m3", "bf16")
 CASES = [(1, 131072, 32, 8, 128, 16), (8, 32768, 32, 8, 128, 16), (64, 4096, 32, 8, 128, 16),
          (32, 32768, 32, 8, 128, 16), (8, 32768, 32, 8, 64, 16), (8, 32768, 32, 8, 128, 64),
          (32, 32768, 32, 8, 128, 64)]
-# decode knobs tried at (8, 32768): (block_n, num_warps, num_stages, scale_mode)
-SWEEP = {"nvfp4": [(64, 4, 1, 1), (64, 4, 1, 0), (32, 4, 1, 1), (128, 4, 1, 1), (64, 4, 2, 1),
-                   (128, 8, 1, 1), (64, 8, 1, 1)],
-         "fp8_e4m3": [(64, 4, 2, 1), (64, 4, 3, 1), (128, 4, 2, 1), (32, 4, 2, 1), (64, 4, 1, 1),
-                      (128, 8, 3, 1)],
-         "bf16": [(64, 4, 2, 1), (64, 4, 3, 1), (128, 4, 2, 1), (32, 4, 2, 1), (128, 8, 3, 1)]}
+# decode knobs tried at (8, 32768): (block_n, num_warps, num_stages, scale_mode, ptx)
+SWEEP = {"nvfp4": [(128, 4, 1, 1, True), (64, 4, 1, 1, True), (256, 8, 1, 1, True),
+                   (128, 8, 1, 1, True), (128, 4, 2, 1, True), (64, 4, 1, 0, True),
+                   (64, 4, 1, 1, False), (128, 4, 1, 1, False)],
+         "fp8_e4m3": [(64, 4, 2, 1, True), (128, 4, 2, 1, True), (128, 8, 2, 1, True),
+                      (64, 4, 3, 1, True), (128, 4, 3, 1, True), (32, 4, 2, 1, True)],
+         "bf16": [(64, 4, 2, 1, True), (128, 4, 2, 1, True), (64, 4, 3, 1, True),
+                  (128, 8, 3, 1, True), (32, 4, 3, 1, True)]}
 ONE = None  # one-element fp32 global scale on the device
 
 
@@ -133,7 +135,7 @@ def kv_bytes(layout: PageLayout, tokens: int) -> int:
 
 def check_decode(fmt: str, hq: int, h: int, d: int, s: int, knobs: tuple) -> float:
     """Relative error against the fp32 reference on random lengths (NaN-poisoned output)."""
-    bn, nw, ns, sm = knobs
+    bn, nw, ns, sm, ptx = knobs
     gen = torch.Generator().manual_seed(hash((fmt, d, s, knobs)) % 2**31)
     lens = torch.randint(1, 3000, (5,), generator=gen).tolist()
     tables, lens_t, pages = tables_for(lens, s, seed=len(lens) + d)
@@ -141,7 +143,7 @@ def check_decode(fmt: str, hq: int, h: int, d: int, s: int, knobs: tuple) -> flo
     q = torch.randn((len(lens), hq, d), device=DEV, dtype=torch.bfloat16)
     out = torch.full_like(q, float("nan"))
     decode_attention(layout, view, q, tables, lens_t, d ** -0.5, ONE, ONE, out=out, block_n=bn,
-                     num_warps=nw, num_stages=ns, scale_mode=sm)
+                     num_warps=nw, num_stages=ns, scale_mode=sm, ptx=ptx)
     ref = decode_attention_ref(layout, view, q, tables, lens_t, d ** -0.5, 1.0, 1.0)
     if not torch.isfinite(out).all():
         return float("inf")
@@ -181,14 +183,14 @@ def check_store_gather(fmt: str, t: int = 4096) -> dict:
 
 def time_decode(fmt: str, case: tuple, knobs: tuple) -> dict:
     b, ctx, hq, h, d, s = case
-    bn, nw, ns, sm = knobs
+    bn, nw, ns, sm, ptx = knobs
     tables, lens, pages = tables_for([ctx] * b, s, seed=ctx + b)
     layout, pool, view = filled_pool(fmt, h, d, s, pages, seed=b)
     q = torch.randn((b, hq, d), device=DEV, dtype=torch.bfloat16)
     out = torch.empty_like(q)
     fn = lambda: decode_attention(layout, view, q, tables, lens, d ** -0.5, ONE, ONE,  # noqa
                                   out=out, max_seq_len=ctx, block_n=bn, num_warps=nw,
-                                  num_stages=ns, scale_mode=sm)
+                                  num_stages=ns, scale_mode=sm, ptx=ptx)
     sec = graph_time(fn)
     nbytes = kv_bytes(layout, b * ctx)
     del pool, view
@@ -368,7 +370,7 @@ def main() -> None:
     decode_mod._decode_kernel = rec.fn
 
     print(f"\nread ceiling {read_bw / 1e12:.2f} TB/s, copy {copy_bw / 1e12:.2f} TB/s; "
-          f"best knobs (block_n, warps, stages, scale_mode): {best}")
+          f"best knobs (block_n, warps, stages, scale_mode, ptx): {best}")
     print("\n".join(lines + [""] + other))
     path = Path(args.json) if args.json else (out_dir / "kernels.json" if out_dir else None)
     if path is not None:

@@ -105,7 +105,10 @@ async def run_serve(cfg: NibbleConfig) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from .gateway.auth import log_security_posture
+
     cfg = config_from_args(args)
+    log_security_posture(cfg.server, log)    # before the model loads: bad keys fail fast
     return asyncio.run(run_serve(cfg))
 
 

@@ -31,6 +31,7 @@ class CacheConfig:
     mem_fraction_static: float | None = None  # fraction of device memory for weights + KV pool
     max_total_tokens: int | None = None    # pool capacity in tokens; overrides mem fraction
     prefill_kv_dtype: str = "auto"         # fp8_e4m3: cast fresh K/V (and extend workspace) to FP8
+    disable_radix_cache: bool = False      # turn prefix reuse off
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,9 @@ class SchedulerConfig:
     max_running_requests: int = 64         # decode batch cap
     chunked_prefill_size: int = 512        # max prefill tokens of one request per step
     max_prefill_tokens: int = 2048         # token budget of one step (prefill chunks + decodes)
-    max_queued_requests: int | None = None  # admission gate (later: 503 beyond it)
+    max_queued_requests: int | None = None  # admission gate: 503 + Retry-After beyond it
+    schedule_policy: str = "fcfs"          # fcfs | lpm (longest prefix match first)
+    schedule_conservativeness: float = 1.0  # share of running requests' future decode pages held back
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,9 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT
     log_level: str = "info"
+    # Keys never show in repr (logs); the gateway redacts them from /get_server_info.
+    api_keys: tuple[str, ...] = field(default=(), repr=False)        # guard /v1/*
+    admin_api_keys: tuple[str, ...] = field(default=(), repr=False)  # guard the admin routes
 
 
 @dataclass(frozen=True)
@@ -78,11 +84,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--mem-fraction-static", type=float, default=None)
     g.add_argument("--max-total-tokens", type=int, default=None)
     g.add_argument("--prefill-kv-dtype", default=d.cache.prefill_kv_dtype, choices=["auto", "fp8_e4m3"])
+    g.add_argument("--disable-radix-cache", action="store_true")
     g = p.add_argument_group("scheduler")
     g.add_argument("--max-running-requests", type=int, default=d.scheduler.max_running_requests)
     g.add_argument("--chunked-prefill-size", type=int, default=d.scheduler.chunked_prefill_size)
     g.add_argument("--max-prefill-tokens", type=int, default=d.scheduler.max_prefill_tokens)
     g.add_argument("--max-queued-requests", type=int, default=None)
+    g.add_argument("--schedule-policy", default=d.scheduler.schedule_policy, choices=["fcfs", "lpm"])
+    g.add_argument("--schedule-conservativeness", type=float,
+                   default=d.scheduler.schedule_conservativeness)
     g = p.add_argument_group("device")
     g.add_argument("--device", default=d.device.device, choices=["auto", "cpu", "cuda"])
     g.add_argument("--attention-backend", default=d.device.attention_backend,
@@ -95,6 +105,12 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default=d.host)
     g.add_argument("--port", type=int, default=d.port)
     g.add_argument("--log-level", default=d.log_level)
+    g.add_argument("--api-key", dest="api_keys", action="append", default=None, metavar="KEY",
+                   help="require this key (Authorization: Bearer KEY or x-api-key) on /v1 "
+                        "routes; repeat for several keys (default: unauthenticated)")
+    g.add_argument("--admin-api-key", dest="admin_api_keys", action="append", default=None,
+                   metavar="KEY", help="require this key on /flush_cache, /abort_request and "
+                   "/get_server_info; repeatable (default: the --api-key keys)")
 
 
 def config_from_args(ns: argparse.Namespace) -> NibbleConfig:
@@ -103,12 +119,14 @@ def config_from_args(ns: argparse.Namespace) -> NibbleConfig:
     cfg = NibbleConfig(
         model=ModelConfig(ns.model_path, ns.served_model_name, ns.dtype, ns.context_length),
         cache=CacheConfig(ns.kv_cache_dtype, ns.page_size, ns.mem_fraction_static,
-                          ns.max_total_tokens, ns.prefill_kv_dtype),
+                          ns.max_total_tokens, ns.prefill_kv_dtype, ns.disable_radix_cache),
         scheduler=SchedulerConfig(ns.max_running_requests, ns.chunked_prefill_size,
-                                  ns.max_prefill_tokens, ns.max_queued_requests),
+                                  ns.max_prefill_tokens, ns.max_queued_requests,
+                                  ns.schedule_policy, ns.schedule_conservativeness),
         device=DeviceConfig(ns.device, ns.attention_backend),
         server=ServerConfig(get("host", "127.0.0.1"), get("port", DEFAULT_PORT),
-                            get("log_level", "info")),
+                            get("log_level", "info"), tuple(get("api_keys") or ()),
+                            tuple(get("admin_api_keys") or ())),
     )
     validate(cfg)
     return cfg
@@ -126,5 +144,9 @@ def validate(cfg: NibbleConfig) -> None:
     if s.max_running_requests <= 0 or s.chunked_prefill_size <= 0 or s.max_prefill_tokens <= 0:
         raise ConfigError("--max-running-requests, --chunked-prefill-size and "
                           "--max-prefill-tokens must be > 0")
+    if s.max_queued_requests is not None and s.max_queued_requests < 0:
+        raise ConfigError("--max-queued-requests must be >= 0")
+    if s.schedule_conservativeness < 0:
+        raise ConfigError("--schedule-conservativeness must be >= 0")
     if cfg.model.context_length is not None and cfg.model.context_length <= 0:
         raise ConfigError("--context-length must be > 0")

@@ -7,6 +7,7 @@ else holds page ids.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -51,6 +52,7 @@ class KVPool:
         self.scale_version = 0
         self.allocator = PageAllocator(num_pages)
         self._views = [layout.layer_view(self.pages, i) for i in range(layout.num_layers)]
+        self._reuse_hooks: list[Callable[[list[PageId]], None]] = []
 
     @property
     def num_pages(self) -> int:
@@ -77,8 +79,18 @@ class KVPool:
                             self.num_pages * lay.page_size, lay.bytes_per_token,
                             self.num_pages * lay.page_nbytes)
 
+    def add_reuse_hook(self, fn: Callable[[list[PageId]], None]) -> None:
+        """Call ``fn(pages)`` with every list of pages ``allocate`` hands out.
+
+        The prefix cache uses it to evict cached pages lazily as they are reused.
+        """
+        self._reuse_hooks.append(fn)
+
     def allocate(self, n: int) -> list[PageId]:
-        return self.allocator.allocate(n)
+        pages = self.allocator.allocate(n)
+        for hook in self._reuse_hooks:
+            hook(pages)
+        return pages
 
     def free(self, pages: list[PageId]) -> None:
         self.allocator.free(pages)

@@ -95,6 +95,42 @@ def e2m1_hi_f16(b):
     return bits.to(tl.float16, bitcast=True)
 
 
+@triton.jit
+def e2m1_nibble_f16(words, R: tl.constexpr):
+    """Nibble ``R`` (0 = lowest) of 16-bit code words -> fp16 equal to E2M1 * 2^-14."""
+    n = (words.to(tl.uint16, bitcast=True) >> (4 * R)) & 0xF
+    bits = (((n & 0x8) << 12) | ((n & 0x7) << 9)).to(tl.uint16)
+    return bits.to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def e2m1_quad_f16_ptx(words):
+    """16-bit code words -> their 4 nibbles as fp16 E2M1 * 2^-14 (NVIDIA PTX only).
+
+    Two words per register: 7 logic ops build every nibble's fp16 high byte
+    (magnitude at bits 1-3, sign at bit 7), then one ``prmt`` per output places
+    two of them over zero low bytes.
+    """
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 a, l, h, z;
+        mov.b32 z, 0;
+        shl.b32 a, $4, 1;
+        and.b32 a, a, 0x0E0E0E0E;
+        shl.b32 l, $4, 4;
+        lop3.b32 l, l, a, 0x80808080, 0xEC;
+        shr.u32 h, $4, 3;
+        and.b32 h, h, 0x0E0E0E0E;
+        lop3.b32 h, $4, h, 0x80808080, 0xEC;
+        prmt.b32 $0, l, z, 0x2404;
+        prmt.b32 $1, h, z, 0x2404;
+        prmt.b32 $2, l, z, 0x3414;
+        prmt.b32 $3, h, z, 0x3414;
+        }""",
+        constraints="=r,=r,=r,=r,r", args=[words],
+        dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=2)
+
+
 # ---------------------------------------------------------------- host helpers
 
 def hw_fp8(device: torch.device) -> bool:
@@ -137,9 +173,12 @@ def check_pages(layout: PageLayout, pages: LayerPages, device: torch.device) -> 
         raise KernelInputError("K and V views have different page counts")
 
 
-def typed_data(view: torch.Tensor, elem: int) -> torch.Tensor:
-    """The data view as the kernels load it: bf16 elements for BF16, raw bytes otherwise."""
-    return view.view(torch.bfloat16) if elem == FMT_BF16 else view
+def typed_data(view: torch.Tensor, elem: int, nvfp4_words: bool = False) -> torch.Tensor:
+    """The data view as the kernels load it: bf16 elements for BF16, bytes (or 16-bit
+    words of 4 NVFP4 codes when ``nvfp4_words``) otherwise."""
+    if elem == FMT_BF16:
+        return view.view(torch.bfloat16)
+    return view.view(torch.int16) if elem == FMT_NVFP4 and nvfp4_words else view
 
 
 def scale_tensor(scale: float | torch.Tensor, device: torch.device, name: str) -> torch.Tensor:

@@ -7,6 +7,7 @@ to each request's asyncio queue with ``call_soon_threadsafe``.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -14,7 +15,7 @@ from dataclasses import asdict
 from typing import AsyncIterator
 
 from ..config import NibbleConfig
-from ..errors import EngineDeadError, NibbleError
+from ..errors import EngineDeadError, NibbleError, QueueFullError
 from .builder import EngineParts, build_parts
 from .engine import EngineCore
 from .types import FinishReason, GenerateRequest, RequestOutput, Usage
@@ -50,6 +51,12 @@ class AsyncEngine:
         if self._dead:
             raise EngineDeadError(self._dead)
         self.core.validate(req)
+        limit = self.cfg.scheduler.max_queued_requests
+        with self._lock:
+            queued = len(self._queues) - self.core.num_running()
+        if limit is not None and queued >= limit:
+            raise QueueFullError(f"the request queue is full ({queued} waiting, "
+                                 f"--max-queued-requests {limit}); retry later")
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         with self._lock:
@@ -73,6 +80,25 @@ class AsyncEngine:
         """Abort a request from any thread; its stream ends with finish_reason ABORT."""
         self._inbox.put(("abort", request_id))
 
+    def abort_all(self) -> int:
+        """Abort every request; returns how many were known at the call."""
+        with self._lock:
+            n = len(self._queues)
+        self._inbox.put(("abort_all", None))
+        return n
+
+    def flush_cache(self, timeout: float = 30.0) -> bool:
+        """Clear the prefix cache on the engine thread; False while requests run or wait."""
+        if self.core.has_unfinished() or not self._inbox.empty():
+            return False
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(("call", (self.core.flush_cache, done)))
+        return done.result(timeout)
+
+    def stats(self) -> dict:
+        """Gauges of the engine (read without locking; values may be one step old)."""
+        return self.core.stats()
+
     def is_healthy(self) -> bool:
         return self._dead is None and self._thread.is_alive()
 
@@ -88,6 +114,7 @@ class AsyncEngine:
                         "page_size": pool.layout.page_size},
             "running_requests": self.core.num_running(),
             "queued_requests": self.core.num_waiting(),
+            "stats": self.core.stats(),
             "device": str(pool.device),
             "attention_backend": self.parts.backend_name,
         }
@@ -116,6 +143,15 @@ class AsyncEngine:
             out = self.core.abort(payload)
             if out is not None:
                 self._deliver(out)
+        elif kind == "abort_all":
+            for out in self.core.abort_all():
+                self._deliver(out)
+        elif kind == "call":
+            fn, future = payload
+            try:
+                future.set_result(fn())
+            except Exception as e:  # noqa: BLE001 - handed to the caller
+                future.set_exception(e)
 
     @staticmethod
     def _zero_usage(req: GenerateRequest) -> Usage:

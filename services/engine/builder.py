@@ -10,6 +10,7 @@ import torch
 
 from nibble.kernels import KV_CACHE_FORMATS, PageLayout
 from nibble.tiering import KVPool, pages_for_budget
+from nibble.tiering.radix_cache import RadixCache
 
 from ..attention import ATTENTION_BACKENDS
 from ..config import CacheConfig, DeviceConfig, NibbleConfig
@@ -90,8 +91,9 @@ def build_parts(cfg: NibbleConfig) -> EngineParts:
     backend = ATTENTION_BACKENDS[backend_name](pool, arch.sm_scale, cfg.cache.prefill_kv_dtype)
     context = min(cfg.model.context_length or arch.max_position_embeddings,
                   arch.max_position_embeddings)
+    cache = None if cfg.cache.disable_radix_cache else RadixCache(layout.page_size, pool)
     core = EngineCore(ModelRunner(loaded.model, backend, device), pool, loaded.tokenizer,
-                      cfg.scheduler, context)
+                      cfg.scheduler, context, cache)
     cap = pool.capacity()
     log.info("KV pool: %s, %d pages x %d tokens = %d tokens, %.0f bytes/token, %.1f MiB",
              cap.kv_format, cap.num_pages, cap.page_size, cap.max_tokens, cap.bytes_per_token,

@@ -11,6 +11,7 @@ import logging
 from dataclasses import dataclass
 
 from nibble.tiering import KVPool
+from nibble.tiering.radix_cache import RadixCache
 
 from ..config import SchedulerConfig
 from ..errors import ContextLengthExceededError, InvalidRequestError
@@ -41,14 +42,16 @@ class EngineCore:
         tokenizer: ``decode`` for streaming text; ``eos_token_ids``.
         sched_cfg: the scheduler's slice of the config.
         context_length: max prompt + output tokens per request.
+        cache: the prefix cache, or None when it is disabled.
     """
 
     def __init__(self, runner: ModelRunner, pool: KVPool, tokenizer, sched_cfg: SchedulerConfig,
-                 context_length: int):
+                 context_length: int, cache: RadixCache | None = None):
         self.runner = runner
         self.pool = pool
+        self.cache = cache
         self.tokenizer = tokenizer
-        self.scheduler = Scheduler(sched_cfg, pool)
+        self.scheduler = Scheduler(sched_cfg, pool, cache)
         self.context_length = context_length
         self.eos = frozenset(tokenizer.eos_token_ids)
         self._seqs: dict[str, Sequence] = {}
@@ -93,6 +96,28 @@ class EngineCore:
     def num_running(self) -> int:
         return len(self.scheduler.running)
 
+    def flush_cache(self) -> bool:
+        """Clear the prefix cache; False (nothing changed) while requests run or wait."""
+        return self.scheduler.flush_cache()
+
+    def abort_all(self) -> list[RequestOutput]:
+        return [out for rid in list(self._seqs) if (out := self.abort(rid)) is not None]
+
+    def stats(self) -> dict:
+        """Gauges for /metrics and /get_server_info."""
+        sch, alloc, lay = self.scheduler, self.pool.allocator, self.pool.layout
+        return {
+            "num_running": len(sch.running),
+            "num_queued": len(sch.waiting),
+            "token_usage": alloc.num_used / alloc.num_pages,
+            "max_total_tokens": alloc.num_pages * lay.page_size,
+            "kv_bytes_per_token": lay.bytes_per_token,
+            "kv_cache_dtype": lay.kv_format,
+            "cache_hit_rate": sch.cached_tokens_admitted / max(1, sch.prompt_tokens_admitted),
+            "num_preemptions": sch.num_preemptions,
+            "num_cached_pages": self.cache.num_cached_pages if self.cache is not None else 0,
+        }
+
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
 
@@ -132,6 +157,9 @@ class EngineCore:
             seq = self._seqs[entry.request_id]
             seq.num_computed += len(entry.token_ids)
             if entry.sample:
+                if seq.num_output == 0:
+                    # Prompt done: share its pages with requests that arrive meanwhile.
+                    self.scheduler.cache_computed(seq)
                 outputs.append(self._on_token(seq, result.sampled[entry.request_id]))
         return outputs
 

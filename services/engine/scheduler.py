@@ -1,11 +1,16 @@
-"""Continuous-batching scheduler: decodes first, then prefill chunks, within a token budget.
+"""Continuous-batching scheduler with prefix reuse, capacity-driven admission and preemption.
 
 Each step every running sequence gets ``min(remaining, chunked_prefill_size,
-budget)`` tokens: one for a decode, a chunk for a prefill. Waiting requests
-are admitted FCFS while the batch has room and the pool has pages for their
-first chunk. When a running sequence needs a page and none is free, the newest
-running sequence is preempted: its pages are freed and it is recomputed later
-(nothing is dropped).
+budget)`` tokens: one for a decode, a chunk for a prefill; decodes go first.
+Waiting requests are admitted (FCFS, or longest prefix match first with
+``lpm``) while the batch has room and the pool can hold them: a request is
+admitted only if the free pages, minus a reserve for the tokens the running
+requests will still decode (scaled by ``schedule_conservativeness``), cover it
+to its last token. On admission the longest cached prefix is locked and only
+the rest is computed (extend path). If a running sequence still cannot grow,
+the newest unscheduled sequence is preempted: its computed pages go into the
+prefix cache, its references are dropped, and it is recomputed (mostly from
+that cache) later. Nothing is dropped.
 """
 
 from __future__ import annotations
@@ -13,13 +18,15 @@ from __future__ import annotations
 import logging
 from collections import deque
 
-from nibble.tiering import KVPool
+from nibble.tiering import KVPool, PageId
+from nibble.tiering.radix_cache import RadixCache
 
 from ..config import SchedulerConfig
 from .sequence import Sequence, SeqStatus
 from .types import ScheduledBatch, ScheduledSeq
 
 log = logging.getLogger(__name__)
+LPM_MAX_QUEUE = 128   # beyond this, lpm's per-step matching costs more than it saves
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -27,13 +34,16 @@ def _ceil_div(a: int, b: int) -> int:
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, pool: KVPool):
+    def __init__(self, cfg: SchedulerConfig, pool: KVPool, cache: RadixCache | None = None):
         self.cfg = cfg
         self.pool = pool
+        self.cache = cache
         self.page_size = pool.layout.page_size
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.num_preemptions = 0                      # total, for metrics and tests
+        self.num_preemptions = 0                      # totals, for metrics and tests
+        self.prompt_tokens_admitted = 0
+        self.cached_tokens_admitted = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -41,6 +51,7 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    # ---- pages ----
     def _grow(self, seq: Sequence, num_tokens: int) -> bool:
         """Give ``seq`` pages for ``num_tokens`` more tokens; False if the pool is short."""
         need = _ceil_div(seq.num_computed + num_tokens, self.page_size) - len(seq.pages)
@@ -51,12 +62,34 @@ class Scheduler:
         seq.pages.extend(self.pool.allocate(need))
         return True
 
+    def cache_computed(self, seq: Sequence) -> None:
+        """Offer the sequence's fully computed pages to the prefix cache."""
+        if self.cache is None:
+            return
+        full = min(seq.num_computed // self.page_size, len(seq.pages))
+        if full:
+            self.cache.insert(seq.token_ids[:full * self.page_size], seq.pages[:full], seq.namespace)
+
     def release(self, seq: Sequence) -> None:
-        """Free a sequence's pages, tail first."""
+        """Cache what is reusable, then drop the sequence's page references, tail first."""
+        self.cache_computed(seq)
         if seq.pages:
             self.pool.free(list(reversed(seq.pages)))
             seq.pages = []
 
+    def _future_pages(self, seq: Sequence) -> float:
+        """Pages ``seq`` still needs: all for its current tokens, plus the decode part scaled by
+        ``schedule_conservativeness`` (1 = hold back every future token: no preemption;
+        0 = count none: admit eagerly and preempt when pages run out)."""
+        now = _ceil_div(len(seq.token_ids), self.page_size)
+        later = seq.pages_needed_total(self.page_size) - now
+        return max(0, now - len(seq.pages)) + self.cfg.schedule_conservativeness * max(0, later)
+
+    def _reserve(self) -> float:
+        """Pages the running sequences may still claim."""
+        return sum(self._future_pages(s) for s in self.running)
+
+    # ---- policy ----
     def _preempt(self, victim: Sequence) -> None:
         log.info("preempting %s (%d tokens) to free pages", victim.request_id, victim.num_computed)
         self.running.remove(victim)
@@ -66,6 +99,43 @@ class Scheduler:
         self.num_preemptions += 1
         victim.status = SeqStatus.WAITING
         self.waiting.appendleft(victim)
+
+    def _match(self, seq: Sequence) -> list[PageId]:
+        """Longest cached prefix of ``seq`` (at least one token is left to compute)."""
+        if self.cache is None:
+            return []
+        limit = (len(seq.token_ids) - 1) // self.page_size
+        return self.cache.match(seq.token_ids, seq.namespace, max_pages=limit).pages
+
+    def _order_waiting(self) -> None:
+        if self.cfg.schedule_policy == "lpm" and self.cache is not None and \
+                1 < len(self.waiting) <= LPM_MAX_QUEUE:
+            ranked = sorted(self.waiting, key=lambda s: -len(self._match(s)))
+            self.waiting = deque(ranked)
+
+    def _try_admit(self, seq: Sequence, budget: int) -> int:
+        """Admit ``seq`` with its cached prefix; return its first chunk size (0 = not admitted)."""
+        hit = self._match(seq)
+        if hit:
+            self.cache.lock(hit)
+        seq.pages, seq.num_computed = list(hit), len(hit) * self.page_size
+        n = min(seq.remaining, self.cfg.chunked_prefill_size, budget)
+        if self._future_pages(seq) > self.pool.allocator.num_free - self._reserve() or \
+                not self._grow(seq, n):
+            self.release_hit(seq)
+            return 0
+        if not seq.admitted:
+            seq.admitted = True
+            seq.cached_tokens = seq.num_computed
+            self.prompt_tokens_admitted += seq.num_prompt
+            self.cached_tokens_admitted += seq.cached_tokens
+        return n
+
+    def release_hit(self, seq: Sequence) -> None:
+        """Undo a failed admission: unlock the matched pages without caching anything new."""
+        if seq.pages:
+            self.pool.free(list(reversed(seq.pages)))
+        seq.pages, seq.num_computed = [], 0
 
     def _entry(self, seq: Sequence, n: int) -> ScheduledSeq:
         start = seq.num_computed
@@ -78,7 +148,6 @@ class Scheduler:
         budget = self.cfg.max_prefill_tokens
         out: list[ScheduledSeq] = []
         scheduled: set[str] = set()
-        # Decodes first (latency), then running prefills; sorted is stable.
         for seq in sorted(self.running, key=lambda s: s.remaining != 1):
             if seq.status is not SeqStatus.RUNNING or budget <= 0:
                 continue
@@ -94,23 +163,33 @@ class Scheduler:
                 out.append(self._entry(seq, n))
                 scheduled.add(seq.request_id)
                 budget -= n
+        self._order_waiting()
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_running_requests:
             seq = self.waiting[0]
-            n = min(seq.remaining, self.cfg.chunked_prefill_size, budget)
-            if not self._grow(seq, n):
+            n = self._try_admit(seq, budget)
+            if not n:
                 break
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             out.append(self._entry(seq, n))
+            scheduled.add(seq.request_id)
             budget -= n
         return ScheduledBatch(out)
 
     def remove(self, seq: Sequence) -> None:
-        """Take a finished or aborted sequence out and free its pages."""
+        """Take a finished or aborted sequence out, cache its pages and drop its references."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.release(seq)
         seq.status = SeqStatus.FINISHED
+
+    def flush_cache(self) -> bool:
+        """Forget the prefix cache; refused (False) while any request is running or queued."""
+        if self.has_work():
+            return False
+        if self.cache is not None:
+            self.cache.flush()
+        return True

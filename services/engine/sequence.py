@@ -31,13 +31,19 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     num_computed: int = 0
     pages: list[PageId] = field(default_factory=list)
-    cached_tokens: int = 0                 # prompt tokens reused from the prefix cache
+    cached_tokens: int = 0                 # prompt tokens reused from the prefix cache (first admission)
+    admitted: bool = False                 # admitted at least once (cached_tokens is final)
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
 
     @property
     def request_id(self) -> str:
         return self.request.request_id
+
+    @property
+    def namespace(self) -> str:
+        """Prefix-cache namespace (tenant and cache_salt); requests share KV only within one."""
+        return self.request.cache_salt or ""
 
     @property
     def num_output(self) -> int:
@@ -51,6 +57,11 @@ class Sequence:
     def remaining(self) -> int:
         """Tokens still to run before the next token can be sampled."""
         return len(self.token_ids) - self.num_computed
+
+    def pages_needed_total(self, page_size: int) -> int:
+        """Pages this sequence holds once it has produced all of max_tokens."""
+        total = self.num_prompt + self.request.sampling.max_tokens
+        return -(-total // page_size)
 
     def usage(self) -> Usage:
         return Usage(self.num_prompt, self.num_output, self.cached_tokens)

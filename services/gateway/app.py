@@ -1,27 +1,31 @@
 """The OpenAI-compatible HTTP gateway: ``create_app(engine, server_cfg)``.
 
-Routes are grouped into routers so later concerns attach per group without
-touching the handlers: API keys become a dependency on ``openai_router()``,
-admin keys one on ``admin_router()`` (where /metrics, /flush_cache and
-/abort_request will live). The engine and config live on ``app.state``;
-nothing is global, so tests build as many apps as they like.
+Two routers: the OpenAI routes here (``/v1/*``) and the admin routes
+(admin.py). API keys are enforced by a middleware in front of both, by path
+(auth.py). Per app, on ``app.state``: the engine, the config, the metrics
+(services/metrics.py) and the set of request ids in flight; nothing is
+global, so tests build as many apps as they like.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.encoders import jsonable_encoder
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from ..config import ServerConfig
 from ..errors import NibbleError
+from ..metrics import Metrics
+from .admin import admin_router
+from .auth import TENANT_SCOPE_KEY, APIKeyMiddleware, AuthPolicy, cache_namespace
 from .errors import ClientDisconnected, error_response, install_error_handlers
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .serving import Prepared, check_model, prepare_chat, prepare_completion, respond
+from .tracking import tracked
 
 log = logging.getLogger(__name__)
 
@@ -31,11 +35,19 @@ def _engine(request: Request) -> Any:
 
 
 async def _run(request: Request, prepare, body) -> Response:
-    """Prepare and serve one generation request; unexpected faults become a logged 500."""
-    engine = _engine(request)
+    """Prepare and serve one generation request; unexpected faults become a logged 500.
+
+    The request's cache namespace combines the tenant of its API key with its
+    ``cache_salt`` (auth.cache_namespace)."""
+    engine, state = _engine(request), request.app.state
+    timer = state.metrics.start_request()
     try:
         p: Prepared = prepare(engine, body)
-        return await respond(engine, request, p)
+        p.gen_req.cache_salt = cache_namespace(request.scope.get(TENANT_SCOPE_KEY),
+                                               p.gen_req.cache_salt)
+        track = functools.partial(tracked, request_id=p.gen_req.request_id, timer=timer,
+                                  inflight=state.inflight)
+        return await respond(engine, request, p, track)
     except (NibbleError, ClientDisconnected):
         raise                                       # mapped by the installed handlers
     except Exception as exc:
@@ -73,34 +85,18 @@ def openai_router() -> APIRouter:
     return router
 
 
-def admin_router() -> APIRouter:
-    router = APIRouter()
-
-    @router.get("/health")
-    async def health(request: Request) -> Response:
-        try:
-            healthy = bool(_engine(request).is_healthy())
-        except Exception:
-            log.exception("engine health check raised")
-            healthy = False
-        if healthy:
-            return JSONResponse({"status": "ok"})
-        return JSONResponse({"status": "unhealthy"}, status_code=503)
-
-    @router.get("/get_server_info")
-    async def get_server_info(request: Request) -> Response:
-        return JSONResponse(jsonable_encoder(_engine(request).server_info()))
-
-    return router
-
-
 def create_app(engine: Any, server_cfg: ServerConfig | None = None) -> FastAPI:
     """Build the gateway around a running engine (see services/engine/async_engine.py)."""
+    server_cfg = server_cfg or ServerConfig()
+    policy = AuthPolicy(server_cfg)             # raises ConfigError for unusable keys
     app = FastAPI(title="Nibble", description="OpenAI-compatible LLM inference server")
     app.state.engine = engine
-    app.state.server_cfg = server_cfg or ServerConfig()
+    app.state.server_cfg = server_cfg
     app.state.created = int(time.time())
+    app.state.metrics = Metrics(getattr(engine, "stats", None))
+    app.state.inflight = set()                  # request ids being served (for /abort_request)
     install_error_handlers(app)
+    app.add_middleware(APIKeyMiddleware, policy=policy)
     app.include_router(openai_router())
     app.include_router(admin_router())
     return app

@@ -308,11 +308,19 @@ async def _sse_stream(p: Prepared, gen: AsyncIterator[RequestOutput], first: Req
         await gen.aclose()
 
 
-async def respond(engine: Any, request: Request, p: Prepared) -> Response:
-    """Run a prepared request; stream it as SSE or return one JSON body."""
+Track = Callable[[AsyncIterator[RequestOutput]], AsyncIterator[RequestOutput]]
+
+
+async def respond(engine: Any, request: Request, p: Prepared, track: Track | None = None
+                  ) -> Response:
+    """Run a prepared request; stream it as SSE or return one JSON body.
+
+    ``track`` wraps the engine's output stream (metrics, in-flight set: tracking.py)."""
     rid = p.gen_req.request_id
     guard = AbortGuard(engine, rid)
     gen = engine.generate(p.gen_req)
+    if track is not None:
+        gen = track(gen)
     try:
         if p.stream:
             first = await race_disconnect(request, _first_output(gen))

@@ -195,8 +195,7 @@ class CausalLM(nn.Module):
     def finish_loading(self) -> None:
         """Check every parameter (and every fused part) was loaded; release the tracking set."""
         missing = []
-        for name, param in self.named_parameters():
-            key = {"embed": "embed", "norm": "norm", "lm_head": "lm_head"}.get(name, name)
+        for key, _ in self.named_parameters():  # a tied lm_head is listed once, as "embed"
             parts = (0, 1, 2) if "qkv" in key else (0, 1) if "gate_up" in key else (None,)
             missing += [f"{key}[{p}]" if p is not None else key
                         for p in parts if (key, p) not in self._loaded]

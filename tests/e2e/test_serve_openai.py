@@ -134,12 +134,17 @@ def test_completions_max_tokens_is_respected(client, model):
 
 
 def test_streaming_chat_with_usage(client, model):
+    # A namespace of its own: the answer is checked on a fresh prefill. (Served
+    # from NVFP4 cached pages, SmolLM2's greedy answer to this exact prompt
+    # drifts: the 4-bit K error; docs/benchmarks.md and the K-recipe issue.)
     stream = client.chat.completions.create(model=model, messages=CAPITAL, temperature=0,
                                             max_tokens=40, stream=True,
-                                            stream_options={"include_usage": True})
+                                            stream_options={"include_usage": True},
+                                            extra_body={"cache_salt": "streaming-test"})
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert "Paris" in text, text
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 0
     assert chunks[0].choices[0].delta.role == "assistant"
     assert len({c.id for c in chunks}) == 1
     last = chunks[-1]

@@ -116,3 +116,11 @@ def test_decode_rejects_bad_arguments():
         decode_attention(layout, pages, q, tables, lens, 1.0, out=torch.empty(2, 4, 16))
     with pytest.raises(KernelInputError, match="block_n"):
         decode_attention(layout, pages, q, tables, lens, 1.0, block_n=24)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ptx", [False, True])
+def test_decode_gpu_nvfp4_dequant_paths(ptx):
+    """The portable nibble expansion and the inline-PTX one, on the same data."""
+    _check_decode("nvfp4", "cuda", d=128, s=16, seq_lens=(1000, 17, 300), hq=32, h=8, splits=3,
+                  block_n=64, ptx=ptx)

@@ -13,6 +13,7 @@ from nibble.services.engine.model_runner import ModelRunner
 from nibble.services.models.config import ModelArchConfig
 from nibble.services.models.llama import CausalLM
 from nibble.tiering import KVPool
+from nibble.tiering.radix_cache import RadixCache
 
 VOCAB = 96
 
@@ -55,15 +56,16 @@ def tiny_model(arch: ModelArchConfig, dtype=torch.float32, seed=0) -> CausalLM:
 
 
 def make_engine(model: CausalLM, kv="bf16", num_pages=64, page_size=16, prefill_kv_dtype="auto",
-                **sched) -> EngineCore:
+                radix=True, **sched) -> EngineCore:
     a = model.arch
     layout = PageLayout(kv, a.num_layers, a.num_kv_heads, a.head_dim, page_size)
     pool = KVPool(layout, num_pages)
+    cache = RadixCache(page_size, pool) if radix else None
     backend = TorchAttentionBackend(pool, a.sm_scale, prefill_kv_dtype)
     cfg = SchedulerConfig(**{"max_running_requests": 8, "chunked_prefill_size": 512,
                              "max_prefill_tokens": 2048, **sched})
     return EngineCore(ModelRunner(model, backend, torch.device("cpu")), pool, CharTokenizer(),
-                      cfg, a.max_position_embeddings)
+                      cfg, a.max_position_embeddings, cache)
 
 
 @pytest.fixture(scope="module")

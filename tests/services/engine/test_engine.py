@@ -111,7 +111,8 @@ def test_preemption_under_a_tiny_pool_changes_nothing(bf16_model):
     cands = [greedy(f"p{i}", PROMPT[i:i + 24 + 3 * (i % 4)], n=20) for i in range(12)]
     ref = {r.request_id: alone(bf16_model, r) for r in cands}
     reqs = sorted(cands, key=lambda r: -ref[r.request_id][1])[:4]
-    tight = make_engine(bf16_model, num_pages=6)    # 96 tokens for 4 requests of 44-53 tokens
+    tight = make_engine(bf16_model, num_pages=6,    # 96 tokens for 4 requests of 44-53 tokens
+                        schedule_conservativeness=0.0)
     got = run_all(tight, reqs)
     assert tight.scheduler.num_preemptions > 0
     for r in reqs:

@@ -68,7 +68,7 @@ def test_admission_waits_for_pages_and_max_running():
 
 
 def test_preemption_frees_newest_and_recomputes():
-    sch = make(num_pages=4, page_size=4)
+    sch = make(num_pages=4, page_size=4, schedule_conservativeness=0.0)
     a, b = seq("a", 8), seq("b", 8)
     sch.add(a)
     sch.add(b)

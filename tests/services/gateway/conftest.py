@@ -37,11 +37,13 @@ def engine(FakeEngine):  # noqa: N803
 
 @pytest.fixture
 def make_client():
-    """make_client(engine) -> TestClient; server exceptions become responses, as in uvicorn."""
+    """make_client(engine, server_cfg=None) -> TestClient; server exceptions become
+    responses, as in uvicorn."""
     clients = []
 
-    def make(engine) -> TestClient:
-        c = TestClient(create_app(engine, ServerConfig()), raise_server_exceptions=False)
+    def make(engine, server_cfg: ServerConfig | None = None) -> TestClient:
+        c = TestClient(create_app(engine, server_cfg or ServerConfig()),
+                       raise_server_exceptions=False)
         clients.append(c)
         return c
 

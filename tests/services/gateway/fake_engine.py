@@ -3,12 +3,14 @@
 Tokenizer: one token per character (id = code point). The engine replies with
 ``reply`` one character per output, stops at max_tokens (finish "length") or
 at the reply's end ("stop"), and records every request and abort so tests can
-assert on them.
+assert on them. Control methods (stats, flush_cache, abort_all) follow
+AsyncEngine's contract; ``active`` holds the ids of requests being generated.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 
 from nibble.services.engine.types import FinishReason, GenerateRequest, RequestOutput, Usage
@@ -46,6 +48,7 @@ class FakeEngine:
     raise_before   exception raised before the first output (admission failure)
     raise_after    (n, exc): raise exc after n outputs (engine fault mid-stream)
     error_after    (n, msg): after n outputs, a finished output with error=msg
+    stats_extra    merged into stats() (e.g. to fake preemptions or a failing key)
     """
 
     def __init__(self, reply: str = "Hello, world!", *, model_name: str = "fake-model",
@@ -62,6 +65,9 @@ class FakeEngine:
         self.healthy = True
         self.requests: list[GenerateRequest] = []
         self.aborted: list[str] = []
+        self.active: set[str] = set()
+        self.flushes = 0
+        self.stats_extra: dict = {}
         self.shut_down = False
 
     def _out(self, req: GenerateRequest, ids: list[int], n_done: int, reason: FinishReason | None,
@@ -74,6 +80,15 @@ class FakeEngine:
         self.requests.append(req)
         if self.raise_before is not None:
             raise self.raise_before
+        self.active.add(req.request_id)
+        try:
+            async with contextlib.aclosing(self._outputs(req)) as outs:
+                async for out in outs:
+                    yield out
+        finally:
+            self.active.discard(req.request_id)
+
+    async def _outputs(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
         reply = self.tokenizer.encode(self.reply)
         ids = reply[: req.sampling.max_tokens]
         final = FinishReason.LENGTH if len(reply) > len(ids) else FinishReason.STOP
@@ -96,8 +111,27 @@ class FakeEngine:
     def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
 
+    def abort_all(self) -> int:
+        ids = sorted(self.active)
+        self.aborted.extend(ids)
+        return len(ids)
+
+    def flush_cache(self) -> bool:
+        if self.active:
+            return False
+        self.flushes += 1
+        return True
+
+    def stats(self) -> dict:
+        return {"num_running": len(self.active), "num_queued": 0, "token_usage": 0.25,
+                "max_total_tokens": 4096, "kv_bytes_per_token": 1234.5,
+                "kv_cache_dtype": "nvfp4", "cache_hit_rate": 0.5, "num_preemptions": 2,
+                "num_cached_pages": 3, **self.stats_extra}
+
     def server_info(self) -> dict:
         return {"model": self.model_name, "context_length": self.context_length,
+                "config": {"server": {"port": 1, "api_keys": ["sk-user"],
+                                      "admin_api_keys": ["sk-admin"]}},
                 "kv_pool": {"free_pages": 10, "total_pages": 10}}
 
     def is_healthy(self) -> bool:

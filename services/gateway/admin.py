@@ -1,0 +1,104 @@
+"""Admin and observability routes (SGLang's names and behaviour).
+
+- ``GET /health``: 200 while the engine is healthy, else 503.
+- ``GET /metrics``: Prometheus exposition (services/metrics.py).
+- ``GET /get_server_info``: the engine's config and capacity, API keys redacted.
+- ``POST /flush_cache``: clears the prefix cache; 400 and no change while
+  requests run or wait.
+- ``POST /abort_request``: ``{"rid": "<request id>"}`` aborts one request this
+  gateway is serving (404 when no such request is in flight, e.g. it already
+  finished); ``{"abort_all": true}`` aborts all. Aborted streams end with
+  finish_reason "abort".
+
+Which of these need a key is decided by auth.py, not here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.encoders import jsonable_encoder
+from pydantic import BaseModel, ConfigDict
+from starlette.responses import JSONResponse, Response
+
+from .auth import redact_keys
+from .errors import error_response
+
+log = logging.getLogger(__name__)
+
+
+class AbortRequestBody(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    rid: str | None = None
+    abort_all: bool = False
+
+
+async def call_engine(fn: Callable[..., Any], *args: Any) -> Any:
+    """Call an engine control method without blocking the event loop (a synchronous one
+    may wait for the engine thread)."""
+    if inspect.iscoroutinefunction(fn):
+        return await fn(*args)
+    return await asyncio.to_thread(fn, *args)
+
+
+def admin_router() -> APIRouter:
+    router = APIRouter()
+
+    @router.get("/health")
+    async def health(request: Request) -> Response:
+        try:
+            healthy = bool(request.app.state.engine.is_healthy())
+        except Exception:
+            log.exception("engine health check raised")
+            healthy = False
+        if healthy:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "unhealthy"}, status_code=503)
+
+    @router.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        body, content_type = await asyncio.to_thread(request.app.state.metrics.render,
+                                                     request.headers.get("accept"))
+        return Response(body, media_type=content_type)
+
+    @router.get("/get_server_info")
+    async def get_server_info(request: Request) -> Response:
+        info = jsonable_encoder(request.app.state.engine.server_info())
+        return JSONResponse(redact_keys(info))
+
+    @router.post("/flush_cache")
+    async def flush_cache(request: Request) -> Response:
+        if not await call_engine(request.app.state.engine.flush_cache):
+            return error_response(
+                400, "Cache not flushed: requests are running or queued. The prefix cache "
+                "can only be flushed while the server is idle; nothing was changed.",
+                "invalid_request_error", None, "requests_running")
+        log.info("prefix cache flushed")
+        return JSONResponse({"success": True, "message": "Cache flushed."})
+
+    @router.post("/abort_request")
+    async def abort_request(body: AbortRequestBody, request: Request) -> Response:
+        engine = request.app.state.engine
+        if body.abort_all == (body.rid is not None):
+            return error_response(400, "Send either {\"rid\": \"<request id>\"} or "
+                                  "{\"abort_all\": true}", "invalid_request_error",
+                                  "rid" if body.rid is not None else None)
+        if body.abort_all:
+            n = int(await call_engine(engine.abort_all))
+            log.info("/abort_request: aborted all requests (%d)", n)
+            return JSONResponse({"success": True, "num_aborted": n})
+        if body.rid not in request.app.state.inflight:
+            return error_response(404, f"No request with id '{body.rid}' is in flight "
+                                  "(unknown, or already finished)", "invalid_request_error",
+                                  "rid", "request_not_found")
+        log.info("/abort_request: aborting %s", body.rid)
+        engine.abort(body.rid)
+        return JSONResponse({"success": True, "num_aborted": 1})
+
+    return router

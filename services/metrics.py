@@ -1,0 +1,164 @@
+"""Prometheus metrics of one server, with SGLang's metric names under the ``nibble:`` prefix.
+
+Two sources:
+- engine state (gauges such as running/queued requests, token usage, cache hit
+  rate), read from ``engine.stats()`` at scrape time by a custom collector, so
+  they are never stale and cost nothing between scrapes;
+- per-request observations (token counters, TTFT / TPOT / end-to-end latency
+  histograms), recorded by the gateway when each request ends, whatever way it
+  ends (finished, aborted, failed).
+
+Each ``Metrics`` owns its own ``CollectorRegistry``: nothing touches
+prometheus_client's global default registry, so tests can build many servers.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.registry import Collector
+
+log = logging.getLogger(__name__)
+
+PREFIX = "nibble:"
+
+# Latency buckets (seconds) wide enough for a CPU box (seconds per token) and an H200
+# (sub-millisecond decode steps).
+TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5,
+                0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0)
+TPOT_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.025, 0.03,
+                0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0)
+E2E_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0,
+               30.0, 45.0, 60.0, 90.0, 120.0, 180.0, 300.0, 600.0, 1200.0)
+
+# engine.stats() key -> (gauge name, help)
+ENGINE_GAUGES = {
+    "num_running": ("num_running_reqs", "Requests running (prefilling or decoding)."),
+    "num_queued": ("num_queue_reqs", "Requests waiting for admission."),
+    "token_usage": ("token_usage", "Fraction of KV pool pages in use (0..1)."),
+    "max_total_tokens": ("max_total_num_tokens", "KV pool capacity in tokens."),
+    "cache_hit_rate": ("cache_hit_rate",
+                       "Cumulative prefix cache hit rate: cached prompt tokens / prompt tokens."),
+    "num_cached_pages": ("num_cached_pages", "KV pages held by the prefix cache."),
+}
+
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+class EngineStatsCollector(Collector):
+    """Turns one ``engine.stats()`` call per scrape into gauge (and counter) families.
+
+    Keys the engine does not report are left out; a failing ``stats()`` is logged and
+    the scrape still returns the request metrics.
+    """
+
+    def __init__(self, stats: Callable[[], dict[str, Any]]):
+        self._stats = stats
+        self._failed_before = False
+
+    def describe(self) -> list[Metric]:
+        return []       # values only exist at scrape time; registering must not call stats()
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            s = self._stats()
+        except Exception:
+            if not self._failed_before:
+                log.exception("engine.stats() failed; engine gauges are left out of /metrics")
+            self._failed_before = True
+            return
+        for key, (name, doc) in ENGINE_GAUGES.items():
+            if s.get(key) is not None:
+                yield GaugeMetricFamily(PREFIX + name, doc, value=float(s[key]))
+        if s.get("kv_bytes_per_token") is not None:
+            g = GaugeMetricFamily(PREFIX + "kv_bytes_per_token",
+                                  "KV cache bytes per token (all layers) of the active dtype.",
+                                  labels=["kv_cache_dtype"])
+            g.add_metric([str(s.get("kv_cache_dtype", "unknown"))], float(s["kv_bytes_per_token"]))
+            yield g
+        if s.get("num_preemptions") is not None:
+            yield CounterMetricFamily(PREFIX + "num_preemptions",
+                                      "Requests preempted because KV pages ran out.",
+                                      value=float(s["num_preemptions"]))
+
+
+class RequestTimer:
+    """Times one request: created when it is received, ``first_token()`` at its first
+    output token, ``finish()`` once when it ends (later calls are ignored)."""
+
+    def __init__(self, metrics: "Metrics"):
+        self._metrics = metrics
+        self.received = time.perf_counter()
+        self.first_token_at: float | None = None
+        self.finished = False
+
+    def first_token(self) -> None:
+        if self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
+
+    def finish(self, finish_reason: str, prompt_tokens: int = 0, completion_tokens: int = 0,
+               cached_tokens: int = 0) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        now = time.perf_counter()
+        ttft = None if self.first_token_at is None else self.first_token_at - self.received
+        self._metrics.observe_request(finish_reason, now - self.received, ttft, prompt_tokens,
+                                      completion_tokens, cached_tokens)
+
+
+class Metrics:
+    """All metrics of one server. ``render()`` gives the exposition for a scrape."""
+
+    def __init__(self, stats: Callable[[], dict[str, Any]] | None = None):
+        self.registry = CollectorRegistry()
+        reg = self.registry
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens processed.",
+                                     registry=reg)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated.",
+                                         registry=reg)
+        self.cached_tokens = Counter(PREFIX + "cached_tokens",
+                                     "Prompt tokens served from the prefix cache.", registry=reg)
+        self.num_requests = Counter(PREFIX + "num_requests", "Requests ended, by finish reason.",
+                                    ["finish_reason"], registry=reg)
+        for reason in FINISH_REASONS:      # export zeros so rate() works from the first scrape
+            self.num_requests.labels(finish_reason=reason)
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds",
+                              "Time from request arrival to its first output token.",
+                              buckets=TTFT_BUCKETS, registry=reg)
+        self.tpot = Histogram(PREFIX + "time_per_output_token_seconds",
+                              "Mean time per output token after the first, per request.",
+                              buckets=TPOT_BUCKETS, registry=reg)
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds",
+                             "Time from request arrival to its end.", buckets=E2E_BUCKETS,
+                             registry=reg)
+        if stats is not None:
+            reg.register(EngineStatsCollector(stats))
+
+    def start_request(self) -> RequestTimer:
+        return RequestTimer(self)
+
+    def observe_request(self, finish_reason: str, e2e: float, ttft: float | None,
+                        prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> None:
+        """Record one ended request. TPOT = (e2e - ttft) / (completion_tokens - 1)."""
+        self.num_requests.labels(finish_reason=finish_reason).inc()
+        self.prompt_tokens.inc(max(prompt_tokens, 0))
+        self.generation_tokens.inc(max(completion_tokens, 0))
+        self.cached_tokens.inc(max(cached_tokens, 0))
+        self.e2e.observe(e2e)
+        if ttft is not None:
+            self.ttft.observe(ttft)
+            if completion_tokens > 1:
+                self.tpot.observe(max(e2e - ttft, 0.0) / (completion_tokens - 1))
+
+    def render(self, accept: str | None = None) -> tuple[bytes, str]:
+        """(body, content type): Prometheus text format, or OpenMetrics when ``accept``
+        (the scraper's Accept header) asks for it."""
+        encoder, content_type = choose_encoder(accept or "")
+        return encoder(self.registry), content_type
