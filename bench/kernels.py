@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import types
@@ -44,13 +43,11 @@ CASES = [(1, 131072, 32, 8, 128, 16), (8, 32768, 32, 8, 128, 16), (64, 4096, 32,
          (32, 32768, 32, 8, 128, 16), (8, 32768, 32, 8, 64, 16), (8, 32768, 32, 8, 128, 64),
          (32, 32768, 32, 8, 128, 64)]
 # decode knobs tried at (8, 32768): (block_n, num_warps, num_stages, scale_mode, ptx)
-SWEEP = {"nvfp4": [(128, 4, 1, 1, True), (64, 4, 1, 1, True), (256, 8, 1, 1, True),
-                   (128, 8, 1, 1, True), (128, 4, 2, 1, True), (64, 4, 1, 0, True),
-                   (64, 4, 1, 1, False), (128, 4, 1, 1, False)],
-         "fp8_e4m3": [(64, 4, 2, 1, True), (128, 4, 2, 1, True), (128, 8, 2, 1, True),
-                      (64, 4, 3, 1, True), (128, 4, 3, 1, True), (32, 4, 2, 1, True)],
-         "bf16": [(64, 4, 2, 1, True), (128, 4, 2, 1, True), (64, 4, 3, 1, True),
-                  (128, 8, 3, 1, True), (32, 4, 3, 1, True)]}
+SWEEP = {"nvfp4": [(64, 4, 2, 1, True), (128, 4, 3, 1, True), (128, 4, 2, 1, True),
+                   (64, 4, 2, 1, False)],
+         "fp8_e4m3": [(128, 4, 3, 1, True), (128, 4, 2, 1, True), (128, 4, 3, 1, False)],
+         "bf16": [(64, 4, 2, 1, True), (128, 4, 2, 1, True)]}
+CTAS_PER_SM = (4, 8)  # split-count targets tried with each format's best knobs
 ONE = None  # one-element fp32 global scale on the device
 
 
@@ -58,21 +55,27 @@ ONE = None  # one-element fp32 global scale on the device
 
 @triton.jit
 def _read_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    """Grid-stride read, two independent loads in flight per iteration (n % 2*BLOCK == 0)."""
     acc = tl.zeros([BLOCK], tl.int32)
-    step = tl.num_programs(0) * BLOCK
-    for start in range(tl.program_id(0) * BLOCK, n, step):
+    step = tl.num_programs(0) * 2 * BLOCK
+    for start in range(tl.program_id(0) * 2 * BLOCK, n, step):
         acc += tl.load(x_ptr + start + tl.arange(0, BLOCK))
+        acc += tl.load(x_ptr + start + BLOCK + tl.arange(0, BLOCK))
     tl.store(out_ptr + tl.program_id(0) * BLOCK + tl.arange(0, BLOCK), acc)
 
 
 def read_ceiling(gib: int = 4) -> float:
-    """Bytes/s of a grid-stride Triton read of ``gib`` GiB (int32 vector loads)."""
+    """Best bytes/s of a few grid-stride Triton reads of ``gib`` GiB (16-byte loads)."""
     x = torch.randint(0, 100, (gib << 28,), dtype=torch.int32, device=DEV)
-    progs = torch.cuda.get_device_properties(DEV).multi_processor_count * 8
-    out = torch.empty(progs * 4096, dtype=torch.int32, device=DEV)
-    fn = lambda: _read_kernel[(progs,)](x, out, x.numel(), BLOCK=4096, num_warps=8)  # noqa: E731
-    ms = triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
-    return x.numel() * 4 / (ms * 1e-3)
+    sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+    best = 0.0
+    for block, warps, per_sm in ((2048, 4, 16), (4096, 8, 8), (8192, 8, 4), (4096, 4, 8)):
+        out = torch.empty(sms * per_sm * block, dtype=torch.int32, device=DEV)
+        fn = lambda: _read_kernel[(sms * per_sm,)](x, out, x.numel(), BLOCK=block,  # noqa
+                                                  num_warps=warps)
+        ms = triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
+        best = max(best, x.numel() * 4 / (ms * 1e-3))
+    return best
 
 
 def copy_ceiling(gib: int = 2) -> float:
@@ -181,21 +184,21 @@ def check_store_gather(fmt: str, t: int = 4096) -> dict:
 
 # ------------------------------------------------------------------ timings
 
-def time_decode(fmt: str, case: tuple, knobs: tuple) -> dict:
+def time_decode(fmt: str, case: tuple, knobs: tuple, ctas_per_sm: int = 4) -> dict:
     b, ctx, hq, h, d, s = case
     bn, nw, ns, sm, ptx = knobs
     tables, lens, pages = tables_for([ctx] * b, s, seed=ctx + b)
     layout, pool, view = filled_pool(fmt, h, d, s, pages, seed=b)
     q = torch.randn((b, hq, d), device=DEV, dtype=torch.bfloat16)
     out = torch.empty_like(q)
+    splits = decode_mod.default_num_splits(b, h, ctx, DEV, ctas_per_sm)
     fn = lambda: decode_attention(layout, view, q, tables, lens, d ** -0.5, ONE, ONE,  # noqa
-                                  out=out, max_seq_len=ctx, block_n=bn, num_warps=nw,
+                                  out=out, num_splits=splits, block_n=bn, num_warps=nw,
                                   num_stages=ns, scale_mode=sm, ptx=ptx)
     sec = graph_time(fn)
     nbytes = kv_bytes(layout, b * ctx)
     del pool, view
-    return {"us": sec * 1e6, "bytes": nbytes, "bw": nbytes / sec,
-            "splits": decode_mod.default_num_splits(b, h, ctx, DEV)}
+    return {"us": sec * 1e6, "bytes": nbytes, "bw": nbytes / sec, "splits": splits}
 
 
 def time_sdpa(case: tuple) -> dict:
@@ -283,6 +286,17 @@ def sass_summary(kernel, path: Path | None) -> dict:
 
 # ------------------------------------------------------------------ main
 
+def sweep_splits(fmt: str, knobs: tuple, results: dict) -> int:
+    """The ``ctas_per_sm`` split target with the lowest summed time over three cases."""
+    totals = {}
+    for cps in CTAS_PER_SM:
+        us = [time_decode(fmt, CASES[i], knobs, cps)["us"] for i in (0, 1, 3)]
+        totals[cps] = sum(us)
+        results["splits"].append({"fmt": fmt, "ctas_per_sm": cps, "us": us})
+        print(f"splits {fmt:8s} ctas/SM={cps:2d} us={[round(u, 1) for u in us]}", flush=True)
+    return min(totals, key=totals.get)
+
+
 def sweep(fmt: str, knob_list: list, results: dict) -> tuple:
     """Check, then time each knob set at (8, 32768); returns the fastest correct one."""
     best, best_us = None, float("inf")
@@ -298,12 +312,12 @@ def sweep(fmt: str, knob_list: list, results: dict) -> tuple:
     return best
 
 
-def decode_table(best: dict, read_bw: float, results: dict, cases: list) -> list[str]:
+def decode_table(best: dict, cps: dict, read_bw: float, results: dict, cases: list) -> list[str]:
     head = ("| batch x ctx | D | page | " + " | ".join(f"{f} us (% BW)" for f in FORMATS)
             + " | SDPA bf16 us (% BW) | nvfp4 vs fp8 | vs bf16 | vs SDPA |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for case in cases:
-        row = {f: time_decode(f, case, best[f]) for f in FORMATS if best[f] is not None}
+        row = {f: time_decode(f, case, best[f], cps[f]) for f in FORMATS if best[f] is not None}
         row["sdpa"] = time_sdpa(case) if case[5] == 16 else None
         results["decode"].append({"case": case, **row})
         cell = lambda r: f"{r['us']:.1f} ({100 * r['bw'] / read_bw:.0f}%)" if r else "-"  # noqa
@@ -327,10 +341,11 @@ def main() -> None:
     out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
     props = torch.cuda.get_device_properties(DEV)
     results: dict = {"device": props.name, "torch": torch.__version__, "triton": triton.__version__,
-                     "sweep": [], "decode": []}
+                     "sweep": [], "splits": [], "decode": []}
     read_bw, copy_bw = read_ceiling(), copy_ceiling()
     results.update(read_bw=read_bw, copy_bw=copy_bw)
-    print(f"{props.name}: read {read_bw / 1e12:.2f} TB/s, copy {copy_bw / 1e12:.2f} TB/s", flush=True)
+    print(f"{props.name}: read {read_bw / 1e12:.2f} TB/s, copy {copy_bw / 1e12:.2f} TB/s",
+          flush=True)
     results["exact"] = {f: check_store_gather(f) for f in FORMATS}
     print("bit-exact store/gather:", results["exact"], flush=True)
 
@@ -340,10 +355,13 @@ def main() -> None:
         for d, s in sorted({(c[4], c[5]) for c in CASES} - {(128, 16)}):
             if best[fmt] is not None:
                 err = check_decode(fmt, 32, 8, d, s, best[fmt])
-                results["sweep"].append({"fmt": fmt, "knobs": best[fmt], "d": d, "s": s, "err": err})
+                results["sweep"].append({"fmt": fmt, "knobs": best[fmt], "d": d, "s": s,
+                                         "err": err})
                 print(f"check {fmt} D={d} S={s} err={err:.1e}", flush=True)
-    results["best"] = best
-    lines = decode_table(best, read_bw, results, CASES[:2] if args.quick else CASES)
+    cps = {f: sweep_splits(f, best[f], results) if best[f] and not args.quick else 4
+           for f in FORMATS}
+    results["best"], results["ctas_per_sm"] = best, cps
+    lines = decode_table(best, cps, read_bw, results, CASES[:2] if args.quick else CASES)
 
     other = ["| op | fmt | in -> out | us | GB/s | % copy BW |", "|---|---|---|---|---|---|"]
     for fmt in FORMATS:
@@ -370,7 +388,7 @@ def main() -> None:
     decode_mod._decode_kernel = rec.fn
 
     print(f"\nread ceiling {read_bw / 1e12:.2f} TB/s, copy {copy_bw / 1e12:.2f} TB/s; "
-          f"best knobs (block_n, warps, stages, scale_mode, ptx): {best}")
+          f"best knobs (block_n, warps, stages, scale_mode, ptx): {best}; ctas/SM {cps}")
     print("\n".join(lines + [""] + other))
     path = Path(args.json) if args.json else (out_dir / "kernels.json" if out_dir else None)
     if path is not None:

@@ -35,6 +35,20 @@ class CacheConfig:
 
 
 @dataclass(frozen=True)
+class HiCacheConfig:
+    enable_hierarchical_cache: bool = False  # L2 host pool + L3 storage below the device pool
+    hicache_ratio: float = 2.0             # L2 pages as a multiple of L1 pages
+    hicache_size: float | None = None      # L2 size in GB (overrides the ratio)
+    hicache_storage_backend: str = "file"  # file | redis | none
+    hicache_storage_url: str | None = None  # redis://host:port/db, or a directory for file
+    hicache_storage_prefix: str = "nibble:kv:"  # Redis key prefix
+    hicache_storage_ttl: int | None = None  # Redis TTL in seconds
+    hicache_write_policy: str = "write_through"  # write_through | write_through_selective | write_back
+    hicache_prefetch_policy: str = "best_effort"  # best_effort | wait_complete | timeout
+    hicache_prefetch_timeout: float = 2.0  # seconds a request waits under "timeout"
+
+
+@dataclass(frozen=True)
 class SchedulerConfig:
     max_running_requests: int = 64         # decode batch cap
     chunked_prefill_size: int = 512        # max prefill tokens of one request per step
@@ -64,6 +78,7 @@ class ServerConfig:
 class NibbleConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
+    hicache: HiCacheConfig = field(default_factory=HiCacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
@@ -85,6 +100,21 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-total-tokens", type=int, default=None)
     g.add_argument("--prefill-kv-dtype", default=d.cache.prefill_kv_dtype, choices=["auto", "fp8_e4m3"])
     g.add_argument("--disable-radix-cache", action="store_true")
+    h = HiCacheConfig()
+    g = p.add_argument_group("hierarchical cache (L2 host memory, L3 storage)")
+    g.add_argument("--enable-hierarchical-cache", action="store_true")
+    g.add_argument("--hicache-ratio", type=float, default=h.hicache_ratio)
+    g.add_argument("--hicache-size", type=float, default=None, help="L2 size in GB")
+    g.add_argument("--hicache-storage-backend", default=h.hicache_storage_backend,
+                   choices=["file", "redis", "none"])
+    g.add_argument("--hicache-storage-url", default=None)
+    g.add_argument("--hicache-storage-prefix", default=h.hicache_storage_prefix)
+    g.add_argument("--hicache-storage-ttl", type=int, default=None)
+    g.add_argument("--hicache-write-policy", default=h.hicache_write_policy,
+                   choices=["write_through", "write_through_selective", "write_back"])
+    g.add_argument("--hicache-prefetch-policy", default=h.hicache_prefetch_policy,
+                   choices=["best_effort", "wait_complete", "timeout"])
+    g.add_argument("--hicache-prefetch-timeout", type=float, default=h.hicache_prefetch_timeout)
     g = p.add_argument_group("scheduler")
     g.add_argument("--max-running-requests", type=int, default=d.scheduler.max_running_requests)
     g.add_argument("--chunked-prefill-size", type=int, default=d.scheduler.chunked_prefill_size)
@@ -120,6 +150,11 @@ def config_from_args(ns: argparse.Namespace) -> NibbleConfig:
         model=ModelConfig(ns.model_path, ns.served_model_name, ns.dtype, ns.context_length),
         cache=CacheConfig(ns.kv_cache_dtype, ns.page_size, ns.mem_fraction_static,
                           ns.max_total_tokens, ns.prefill_kv_dtype, ns.disable_radix_cache),
+        hicache=HiCacheConfig(
+            ns.enable_hierarchical_cache, ns.hicache_ratio, ns.hicache_size,
+            ns.hicache_storage_backend, ns.hicache_storage_url, ns.hicache_storage_prefix,
+            ns.hicache_storage_ttl, ns.hicache_write_policy, ns.hicache_prefetch_policy,
+            ns.hicache_prefetch_timeout),
         scheduler=SchedulerConfig(ns.max_running_requests, ns.chunked_prefill_size,
                                   ns.max_prefill_tokens, ns.max_queued_requests,
                                   ns.schedule_policy, ns.schedule_conservativeness),
@@ -148,5 +183,11 @@ def validate(cfg: NibbleConfig) -> None:
         raise ConfigError("--max-queued-requests must be >= 0")
     if s.schedule_conservativeness < 0:
         raise ConfigError("--schedule-conservativeness must be >= 0")
+    h = cfg.hicache
+    if h.enable_hierarchical_cache and c.disable_radix_cache:
+        raise ConfigError("--enable-hierarchical-cache needs the radix cache "
+                          "(drop --disable-radix-cache)")
+    if h.hicache_ratio <= 0 or (h.hicache_size is not None and h.hicache_size <= 0):
+        raise ConfigError("--hicache-ratio and --hicache-size must be > 0")
     if cfg.model.context_length is not None and cfg.model.context_length <= 0:
         raise ConfigError("--context-length must be > 0")

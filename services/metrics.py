@@ -86,6 +86,48 @@ class EngineStatsCollector(Collector):
             yield CounterMetricFamily(PREFIX + "num_preemptions",
                                       "Requests preempted because KV pages ran out.",
                                       value=float(s["num_preemptions"]))
+        if s.get("tiers"):
+            yield from tier_families(s["tiers"], s.get("num_cached_pages", 0))
+
+
+def _labelled(family, values: dict[str, float]):
+    for key, value in values.items():
+        family.add_metric([key], float(value))
+    return family
+
+
+def tier_families(t: dict[str, Any], l1_cached_pages: int) -> Iterator[Metric]:
+    """Per-tier metrics of the hierarchical cache (``engine.stats()["tiers"]``)."""
+    yield _labelled(CounterMetricFamily(PREFIX + "tier_hit_pages", "Prefix pages served, by tier.",
+                                        labels=["tier"]),
+                    {"l1": t["l1_hit_pages"], "l2": t["l2_hit_pages"], "l3": t["l3_hit_pages"]})
+    yield _labelled(CounterMetricFamily(PREFIX + "tier_pages_moved", "Pages copied between tiers.",
+                                        labels=["direction"]),
+                    {"l1_to_l2": t["l2_written"] + t["l1_to_l2_evict_pages"],
+                     "l2_to_l3": t["l3_written"], "l3_to_l2": t["l3_read"],
+                     "l2_to_l1": t["l2_to_l1_pages"]})
+    yield _labelled(CounterMetricFamily(PREFIX + "tier_bytes_moved", "Bytes moved to and from L3.",
+                                        labels=["direction"]),
+                    {"l2_to_l3": t["l3_bytes_written"], "l3_to_l2": t["l3_bytes_read"]})
+    yield _labelled(CounterMetricFamily(PREFIX + "tier_l3_failures",
+                                        "L3 reads that missed or failed their checksum, and "
+                                        "writes that failed.", labels=["kind"]),
+                    {"miss": t["l3_miss"], "corrupt": t["l3_corrupt"],
+                     "write_failed": t["l3_write_failed"]})
+    yield CounterMetricFamily(PREFIX + "tier_load_seconds", "Time spent copying prefixes into L1.",
+                              value=float(t["load_seconds"]))
+    yield CounterMetricFamily(PREFIX + "tier_loads", "Prefix loads into L1.", value=float(t["loads"]))
+    yield _labelled(GaugeMetricFamily(PREFIX + "tier_occupancy_pages", "Pages held per tier.",
+                                      labels=["tier"]),
+                    {"l1": l1_cached_pages, "l2": t["l2_pages"]})
+    yield GaugeMetricFamily(PREFIX + "tier_l2_capacity_pages", "L2 host pool size in pages.",
+                            value=float(t["l2_capacity_pages"]))
+    yield _labelled(GaugeMetricFamily(PREFIX + "tier_up", "1 when the storage tier is reachable.",
+                                      labels=["tier"]),
+                    {"l3": 1.0 if t["l3_state"] == "up" else 0.0})
+    yield GaugeMetricFamily(PREFIX + "tier_l3_bytes_per_second",
+                            "Measured L3 read bandwidth (EMA; 0 until measured).",
+                            value=float(t["l3_bytes_per_s"]))
 
 
 class RequestTimer:

@@ -79,12 +79,17 @@ class KVPool:
                             self.num_pages * lay.page_size, lay.bytes_per_token,
                             self.num_pages * lay.page_nbytes)
 
-    def add_reuse_hook(self, fn: Callable[[list[PageId]], None]) -> None:
+    def add_reuse_hook(self, fn: Callable[[list[PageId]], None], first: bool = False) -> None:
         """Call ``fn(pages)`` with every list of pages ``allocate`` hands out.
 
-        The prefix cache uses it to evict cached pages lazily as they are reused.
+        The prefix cache uses it to evict cached pages lazily as they are reused;
+        the tier manager registers ``first`` so it can write a page down before
+        the cache forgets it.
         """
-        self._reuse_hooks.append(fn)
+        if first:
+            self._reuse_hooks.insert(0, fn)
+        else:
+            self._reuse_hooks.append(fn)
 
     def allocate(self, n: int) -> list[PageId]:
         pages = self.allocator.allocate(n)

@@ -104,6 +104,33 @@ def e2m1_nibble_f16(words, R: tl.constexpr):
 
 
 @triton.jit
+def e2m1_pair_f16_ptx(b):
+    """Code bytes -> (low-nibble, high-nibble) fp16 E2M1 * 2^-14 (NVIDIA PTX only).
+
+    Four bytes per register: 7 logic ops build each nibble's fp16 high byte, then
+    4 ``prmt`` place them over zero low bytes.
+    """
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 a, l, h, z;
+        mov.b32 z, 0;
+        shl.b32 a, $4, 1;
+        and.b32 a, a, 0x0E0E0E0E;
+        shl.b32 l, $4, 4;
+        lop3.b32 l, l, a, 0x80808080, 0xEC;
+        shr.u32 h, $4, 3;
+        and.b32 h, h, 0x0E0E0E0E;
+        lop3.b32 h, $4, h, 0x80808080, 0xEC;
+        prmt.b32 $0, l, z, 0x1404;
+        prmt.b32 $1, l, z, 0x3424;
+        prmt.b32 $2, h, z, 0x1404;
+        prmt.b32 $3, h, z, 0x3424;
+        }""",
+        constraints="=r,=r,=r,=r,r", args=[b], dtype=(tl.float16, tl.float16),
+        is_pure=True, pack=4)
+
+
+@triton.jit
 def e2m1_quad_f16_ptx(words):
     """16-bit code words -> their 4 nibbles as fp16 E2M1 * 2^-14 (NVIDIA PTX only).
 
@@ -128,6 +155,39 @@ def e2m1_quad_f16_ptx(words):
         prmt.b32 $3, h, z, 0x3414;
         }""",
         constraints="=r,=r,=r,=r,r", args=[words],
+        dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=2)
+
+
+@triton.jit
+def e4m3_byte_f16(words, R: tl.constexpr, HW: tl.constexpr):
+    """Byte ``R`` of 32-bit E4M3 words -> fp16 equal to value / ``fp8_raw_factor(HW)``."""
+    return e4m3_to_f16_raw(((words >> (8 * R)) & 0xFF).to(tl.uint8), HW)
+
+
+@triton.jit
+def e4m3_quad_f16_ptx(words):
+    """32-bit E4M3 words -> their 4 bytes as exact fp16 (NVIDIA PTX, sm_89+).
+
+    Two words per call: one ``prmt`` pairs byte ``r`` of both, one ``cvt`` makes fp16x2.
+    """
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 t;
+        .reg .b16 lo, hi;
+        prmt.b32 t, $4, $5, 0x0040;
+        mov.b32 {lo, hi}, t;
+        cvt.rn.f16x2.e4m3x2 $0, lo;
+        prmt.b32 t, $4, $5, 0x0051;
+        mov.b32 {lo, hi}, t;
+        cvt.rn.f16x2.e4m3x2 $1, lo;
+        prmt.b32 t, $4, $5, 0x0062;
+        mov.b32 {lo, hi}, t;
+        cvt.rn.f16x2.e4m3x2 $2, lo;
+        prmt.b32 t, $4, $5, 0x0073;
+        mov.b32 {lo, hi}, t;
+        cvt.rn.f16x2.e4m3x2 $3, lo;
+        }""",
+        constraints="=r,=r,=r,=r,r,r", args=[words],
         dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=2)
 
 
@@ -173,12 +233,14 @@ def check_pages(layout: PageLayout, pages: LayerPages, device: torch.device) -> 
         raise KernelInputError("K and V views have different page counts")
 
 
-def typed_data(view: torch.Tensor, elem: int, nvfp4_words: bool = False) -> torch.Tensor:
-    """The data view as the kernels load it: bf16 elements for BF16, bytes (or 16-bit
-    words of 4 NVFP4 codes when ``nvfp4_words``) otherwise."""
+def typed_data(view: torch.Tensor, elem: int, words: bool = False) -> torch.Tensor:
+    """The data view as the kernels load it: bf16 elements for BF16; bytes otherwise,
+    or with ``words`` 4-element words (int16 of 4 NVFP4 codes, int32 of 4 E4M3)."""
     if elem == FMT_BF16:
         return view.view(torch.bfloat16)
-    return view.view(torch.int16) if elem == FMT_NVFP4 and nvfp4_words else view
+    if words:
+        return view.view(torch.int16 if elem == FMT_NVFP4 else torch.int32)
+    return view
 
 
 def scale_tensor(scale: float | torch.Tensor, device: torch.device, name: str) -> torch.Tensor:

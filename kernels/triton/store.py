@@ -22,37 +22,43 @@ ROWS = 16  # token-head rows per program
 
 
 @triton.jit
-def _e2m1_encode(x, denom):
-    """fp32 ``x`` and its block's ``denom`` (broadcastable) -> 4-bit E2M1 codes (uint8)."""
-    # div_rn does not broadcast its operands.
-    safe = tl.broadcast_to(tl.where(denom > 0, denom, 1.0), x.shape)
-    mag = tl.where(denom > 0, tl.math.div_rn(tl.abs(x), safe), 0.0)
-    code = ((mag > 0.25).to(tl.uint8) + (mag >= 0.75).to(tl.uint8) + (mag > 1.25).to(tl.uint8)
-            + (mag >= 1.75).to(tl.uint8) + (mag > 2.5).to(tl.uint8)
-            + (mag >= 3.5).to(tl.uint8) + (mag > 5.0).to(tl.uint8))
-    sign = ((x.to(tl.int32, bitcast=True) >> 28) & 8).to(tl.uint8)
-    return code | sign
+def _e2m1_magnitude(mag):
+    """fp32 ``mag >= 0`` (value / block scale) -> 3-bit E2M1 magnitude code, RNE, saturating.
+
+    At or above 1 the fp32 mantissa is rounded to one bit (ties to even) and the
+    code read off exponent and mantissa; below 1 adding 2^22 rounds to a multiple
+    of 0.5 (fp32 addition is RNE), giving codes 0..2.
+    """
+    bits = mag.to(tl.int32, bitcast=True)
+    rounded = bits + 0x1FFFFF + ((bits >> 22) & 1)
+    normal = tl.minimum((rounded >> 22) - 252, 7)
+    sub = (((mag + 4194304.0) - 4194304.0) * 2.0).to(tl.int32)
+    return tl.where(mag < 1.0, sub, normal)
 
 
 @triton.jit
 def _store_nvfp4_rows(x_ptr, xrow, sx_d, d_ptr, drow, s_ptr, srow, gs_ptr, rmask,
                       D: tl.constexpr, HW: tl.constexpr):
-    """Quantize ``[ROWS, D]`` rows to NVFP4; tiles are ``[ROWS, D // 16, 8]`` byte pairs."""
+    """Quantize ``[ROWS, D]`` rows to NVFP4, tiles ``[ROWS, D // 16, 16]`` (one block per row)."""
     NB: tl.constexpr = D // 16
     blk = tl.arange(0, NB)[None, :, None]
-    i = tl.arange(0, 8)[None, None, :]
     m3 = rmask[:, None, None]
-    col = (blk * 16 + 2 * i).to(tl.int64) * sx_d
-    xbase = x_ptr + xrow[:, None, None]
-    xe = tl.load(xbase + col, mask=m3, other=0.0).to(tl.float32)
-    xo = tl.load(xbase + col + sx_d, mask=m3, other=0.0).to(tl.float32)
-    amax = tl.maximum(tl.max(tl.abs(xe), axis=2), tl.max(tl.abs(xo), axis=2))  # [ROWS, NB]
+    col = (blk * 16 + tl.arange(0, 16)[None, None, :]).to(tl.int64) * sx_d
+    x = tl.load(x_ptr + xrow[:, None, None] + col, mask=m3, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=2)  # [ROWS, NB]
     gs = tl.load(gs_ptr)
     sbyte = e4m3_encode(tl.math.div_rn(tl.math.div_rn(amax, tl.full(amax.shape, 6.0, tl.float32)),
                                        tl.full(amax.shape, 1.0, tl.float32) * gs), HW)
     denom = (e4m3_to_f16(sbyte, HW).to(tl.float32) * gs)[:, :, None]
-    code = _e2m1_encode(xe, denom) | (_e2m1_encode(xo, denom) << 4)
-    tl.store(d_ptr + drow[:, None, None] + blk * 8 + i, code, mask=m3)
+    # div_rn does not broadcast its operands.
+    safe = tl.broadcast_to(tl.where(denom > 0, denom, 1.0), x.shape)
+    mag = tl.where(denom > 0, tl.math.div_rn(tl.abs(x), safe), 0.0)
+    sign = (x.to(tl.int32, bitcast=True) >> 28) & 8
+    code = _e2m1_magnitude(mag) | sign
+    lo, hi = tl.split(tl.reshape(code, [code.shape[0], NB, 8, 2]))
+    byte = (lo | (hi << 4)).to(tl.uint8)
+    tl.store(d_ptr + drow[:, None, None] + blk * 8 + tl.arange(0, 8)[None, None, :], byte,
+             mask=m3)
     tl.store(s_ptr + srow[:, None] + tl.arange(0, NB)[None, :], sbyte, mask=rmask[:, None])
 
 

@@ -106,7 +106,7 @@ class AsyncEngine:
         pool = self.core.pool
         return {
             "model": self.model_name,
-            "config": asdict(self.cfg),
+            "config": redacted_config(self.cfg),
             "context_length": self.context_length,
             "capacity": pool.capacity().as_dict(),
             "kv_bytes_per_token": self.parts.bytes_per_token_by_format,
@@ -185,6 +185,17 @@ class AsyncEngine:
                 self._deliver(out)
         for out in self.core.fail_all("server shutting down"):
             self._deliver(out)
+        if self.core.tiers is not None:
+            self.core.tiers.close()
+
+
+def redacted_config(cfg: NibbleConfig) -> dict:
+    """The config as a dict with secrets (API keys) replaced by their count."""
+    out = asdict(cfg)
+    for field in ("api_keys", "admin_api_keys"):
+        if field in out["server"]:
+            out["server"][field] = f"<{len(out['server'][field])} configured>"
+    return out
 
 
 def build_engine(cfg: NibbleConfig) -> AsyncEngine:

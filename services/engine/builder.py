@@ -10,10 +10,13 @@ import torch
 
 from nibble.kernels import KV_CACHE_FORMATS, PageLayout
 from nibble.tiering import KVPool, pages_for_budget
+from nibble.tiering.host_pool import HostPool
 from nibble.tiering.radix_cache import RadixCache
+from nibble.tiering.storage import create_storage_backend
+from nibble.tiering.tier_manager import TierManager, TierPolicy
 
 from ..attention import ATTENTION_BACKENDS
-from ..config import CacheConfig, DeviceConfig, NibbleConfig
+from ..config import CacheConfig, DeviceConfig, HiCacheConfig, NibbleConfig
 from ..errors import ConfigError
 from .engine import EngineCore
 from .model_runner import ModelRunner
@@ -70,6 +73,37 @@ def plan_num_pages(cfg: CacheConfig, layout: PageLayout, device: torch.device,
     return pages
 
 
+def default_storage_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "nibble", "kv")
+
+
+def build_tiers(cfg: HiCacheConfig, pool: KVPool, cache: RadixCache, fingerprint: str
+                ) -> TierManager | None:
+    """L2 host pool and L3 storage below ``pool``, per --enable-hierarchical-cache."""
+    if not cfg.enable_hierarchical_cache:
+        return None
+    layout = pool.layout
+    if cfg.hicache_size is not None:
+        host_pages = int(cfg.hicache_size * 1e9) // layout.page_nbytes
+    else:
+        host_pages = int(pool.num_pages * cfg.hicache_ratio)
+    host = HostPool(layout, max(1, host_pages), pin_memory=pool.device.type == "cuda")
+    storage = None
+    if cfg.hicache_storage_backend == "redis":
+        storage = create_storage_backend("redis", cfg.hicache_storage_url or "redis://127.0.0.1:6379/0",
+                                         prefix=cfg.hicache_storage_prefix,
+                                         ttl_s=cfg.hicache_storage_ttl)
+    elif cfg.hicache_storage_backend == "file":
+        storage = create_storage_backend("file", cfg.hicache_storage_url or default_storage_dir())
+    policy = TierPolicy(cfg.hicache_write_policy, cfg.hicache_prefetch_policy,
+                        cfg.hicache_prefetch_timeout)
+    log.info("hierarchical cache: L2 %d pages (%.1f MiB host%s), L3 %s, %s, prefetch %s",
+             host.num_pages, host.nbytes / 2**20, ", pinned" if pool.device.type == "cuda" else "",
+             cfg.hicache_storage_backend, cfg.hicache_write_policy, cfg.hicache_prefetch_policy)
+    return TierManager(pool, cache, fingerprint, host, storage, policy)
+
+
 def build_parts(cfg: NibbleConfig) -> EngineParts:
     from ..models.loader import load_model  # heavy import, deferred
 
@@ -92,8 +126,9 @@ def build_parts(cfg: NibbleConfig) -> EngineParts:
     context = min(cfg.model.context_length or arch.max_position_embeddings,
                   arch.max_position_embeddings)
     cache = None if cfg.cache.disable_radix_cache else RadixCache(layout.page_size, pool)
+    tiers = build_tiers(cfg.hicache, pool, cache, loaded.fingerprint) if cache is not None else None
     core = EngineCore(ModelRunner(loaded.model, backend, device), pool, loaded.tokenizer,
-                      cfg.scheduler, context, cache)
+                      cfg.scheduler, context, cache, tiers)
     cap = pool.capacity()
     log.info("KV pool: %s, %d pages x %d tokens = %d tokens, %.0f bytes/token, %.1f MiB",
              cap.kv_format, cap.num_pages, cap.page_size, cap.max_tokens, cap.bytes_per_token,

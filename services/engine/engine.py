@@ -8,10 +8,12 @@ wrapper runs it on its own thread.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 from nibble.tiering import KVPool
 from nibble.tiering.radix_cache import RadixCache
+from nibble.tiering.tier_manager import TierManager
 
 from ..config import SchedulerConfig
 from ..errors import ContextLengthExceededError, InvalidRequestError
@@ -43,15 +45,18 @@ class EngineCore:
         sched_cfg: the scheduler's slice of the config.
         context_length: max prompt + output tokens per request.
         cache: the prefix cache, or None when it is disabled.
+        tiers: the tier manager (L2/L3 below the pool), or None.
     """
 
     def __init__(self, runner: ModelRunner, pool: KVPool, tokenizer, sched_cfg: SchedulerConfig,
-                 context_length: int, cache: RadixCache | None = None):
+                 context_length: int, cache: RadixCache | None = None,
+                 tiers: TierManager | None = None):
         self.runner = runner
         self.pool = pool
         self.cache = cache
+        self.tiers = tiers
         self.tokenizer = tokenizer
-        self.scheduler = Scheduler(sched_cfg, pool, cache)
+        self.scheduler = Scheduler(sched_cfg, pool, cache, tiers)
         self.context_length = context_length
         self.eos = frozenset(tokenizer.eos_token_ids)
         self._seqs: dict[str, Sequence] = {}
@@ -116,6 +121,7 @@ class EngineCore:
             "cache_hit_rate": sch.cached_tokens_admitted / max(1, sch.prompt_tokens_admitted),
             "num_preemptions": sch.num_preemptions,
             "num_cached_pages": self.cache.num_cached_pages if self.cache is not None else 0,
+            "tiers": self.tiers.stats() if self.tiers is not None else None,
         }
 
     def num_waiting(self) -> int:
@@ -148,10 +154,18 @@ class EngineCore:
 
     def step(self) -> list[RequestOutput]:
         """Run one batch; return an update for every request that produced a token."""
+        if self.tiers is not None:
+            self.tiers.poll()
         batch = self.scheduler.schedule()
         if not batch.seqs:
+            if self.scheduler.waiting:
+                time.sleep(0.001)      # only prefetching requests wait; let the worker run
             return []
+        t0 = time.perf_counter()
         result = self.runner.execute(batch, self.pool.layout.page_size)
+        if self.tiers is not None:
+            prefill = sum(len(e.token_ids) for e in batch.seqs if len(e.token_ids) > 1)
+            self.tiers.observe_prefill(prefill, time.perf_counter() - t0)
         outputs = []
         for entry in batch.seqs:
             seq = self._seqs[entry.request_id]

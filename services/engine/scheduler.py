@@ -20,6 +20,7 @@ from collections import deque
 
 from nibble.tiering import KVPool, PageId
 from nibble.tiering.radix_cache import RadixCache
+from nibble.tiering.tier_manager import TierManager
 
 from ..config import SchedulerConfig
 from .sequence import Sequence, SeqStatus
@@ -34,10 +35,12 @@ def _ceil_div(a: int, b: int) -> int:
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, pool: KVPool, cache: RadixCache | None = None):
+    def __init__(self, cfg: SchedulerConfig, pool: KVPool, cache: RadixCache | None = None,
+                 tiers: TierManager | None = None):
         self.cfg = cfg
         self.pool = pool
         self.cache = cache
+        self.tiers = tiers
         self.page_size = pool.layout.page_size
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -68,7 +71,10 @@ class Scheduler:
             return
         full = min(seq.num_computed // self.page_size, len(seq.pages))
         if full:
-            self.cache.insert(seq.token_ids[:full * self.page_size], seq.pages[:full], seq.namespace)
+            tokens = seq.token_ids[:full * self.page_size]
+            self.cache.insert(tokens, seq.pages[:full], seq.namespace)
+            if self.tiers is not None:
+                self.tiers.on_cached(seq.namespace, tokens, seq.pages[:full])
 
     def release(self, seq: Sequence) -> None:
         """Cache what is reusable, then drop the sequence's page references, tail first."""
@@ -113,12 +119,28 @@ class Scheduler:
             ranked = sorted(self.waiting, key=lambda s: -len(self._match(s)))
             self.waiting = deque(ranked)
 
-    def _try_admit(self, seq: Sequence, budget: int) -> int:
-        """Admit ``seq`` with its cached prefix; return its first chunk size (0 = not admitted)."""
+    def _try_admit(self, seq: Sequence, budget: int) -> int | None:
+        """Admit ``seq`` with its cached prefix; return its first chunk size.
+
+        0: not enough room (stop admitting); None: its prefetch is still running.
+        """
         hit = self._match(seq)
+        limit = (len(seq.token_ids) - 1) // self.page_size
+        tiers = self.tiers if self.cache is not None else None
+        if tiers is not None and not tiers.prepare(seq.request_id, seq.namespace, seq.token_ids,
+                                                   len(hit), limit):
+            return None
         if hit:
             self.cache.lock(hit)
-        seq.pages, seq.num_computed = list(hit), len(hit) * self.page_size
+            if tiers is not None:
+                tiers.note_hits(hit)
+        seq.pages = list(hit)
+        lower = None
+        if tiers is not None:
+            room = int(self.pool.allocator.num_free - self._reserve())
+            lower = tiers.load(seq.request_id, seq.namespace, seq.token_ids, hit, limit, room)
+            seq.pages += lower.pages
+        seq.num_computed = len(seq.pages) * self.page_size
         n = min(seq.remaining, self.cfg.chunked_prefill_size, budget)
         if self._future_pages(seq) > self.pool.allocator.num_free - self._reserve() or \
                 not self._grow(seq, n):
@@ -127,6 +149,10 @@ class Scheduler:
         if not seq.admitted:
             seq.admitted = True
             seq.cached_tokens = seq.num_computed
+            if lower is not None:
+                ps = self.page_size
+                seq.cached_by_tier = {"l1": len(hit) * ps, "l2": lower.from_l2 * ps,
+                                      "l3": lower.from_l3 * ps}
             self.prompt_tokens_admitted += seq.num_prompt
             self.cached_tokens_admitted += seq.cached_tokens
         return n
@@ -164,12 +190,15 @@ class Scheduler:
                 scheduled.add(seq.request_id)
                 budget -= n
         self._order_waiting()
-        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_running_requests:
-            seq = self.waiting[0]
+        for seq in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.cfg.max_running_requests:
+                break
             n = self._try_admit(seq, budget)
+            if n is None:           # prefetch in flight: let later requests go first
+                continue
             if not n:
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             out.append(self._entry(seq, n))
@@ -184,6 +213,8 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.release(seq)
+        if self.tiers is not None:
+            self.tiers.cancel(seq.request_id)
         seq.status = SeqStatus.FINISHED
 
     def flush_cache(self) -> bool:
@@ -192,4 +223,6 @@ class Scheduler:
             return False
         if self.cache is not None:
             self.cache.flush()
+        if self.tiers is not None:
+            self.tiers.flush()
         return True

@@ -33,6 +33,7 @@ class Sequence:
     pages: list[PageId] = field(default_factory=list)
     cached_tokens: int = 0                 # prompt tokens reused from the prefix cache (first admission)
     admitted: bool = False                 # admitted at least once (cached_tokens is final)
+    cached_by_tier: dict[str, int] | None = None  # cached_tokens split l1/l2/l3 (tiers on)
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
 
@@ -64,4 +65,4 @@ class Sequence:
         return -(-total // page_size)
 
     def usage(self) -> Usage:
-        return Usage(self.num_prompt, self.num_output, self.cached_tokens)
+        return Usage(self.num_prompt, self.num_output, self.cached_tokens, self.cached_by_tier)

@@ -52,6 +52,7 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0                 # prompt tokens served from the prefix cache
+    cached_by_tier: dict[str, int] | None = None  # the same split by tier: {"l1", "l2", "l3"}
 
 
 @dataclass

@@ -4,7 +4,8 @@ Body: ``{"error": {"message", "type", "param", "code"}}``. Mapping:
 InvalidRequestError and request validation -> 400, unknown route -> 404,
 ModelNotFoundError -> 404, RetryableError -> 503 with Retry-After, any other
 NibbleError or unexpected exception -> 500. A client that went away gets an
-empty 499 (nobody reads it).
+empty 499 (nobody reads it). A missing or wrong API key gets 401 from the auth
+middleware (auth.py) before any handler runs.
 """
 
 from __future__ import annotations

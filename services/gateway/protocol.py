@@ -79,12 +79,21 @@ def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+def _prompt_details(usage) -> dict:
+    """OpenAI's cached_tokens, plus Nibble's split by tier when the tiers are on (extension)."""
+    details = {"cached_tokens": usage.cached_tokens}
+    by_tier = getattr(usage, "cached_by_tier", None)
+    if by_tier:
+        details["cached_tokens_by_tier"] = dict(by_tier)
+    return details
+
+
 def usage_dict(usage: Usage) -> dict[str, Any]:
     return {
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+        "prompt_tokens_details": _prompt_details(usage),
     }
 
 

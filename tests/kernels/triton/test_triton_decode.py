@@ -15,7 +15,8 @@ from nibble.kernels import KernelInputError, PageLayout, decode_attention_ref, s
 from nibble.kernels.triton import decode_attention, default_num_splits
 
 HAS_CUDA = torch.cuda.is_available()
-CPU = pytest.param("cpu", marks=pytest.mark.skipif(HAS_CUDA, reason="interpreter only without CUDA"))
+CPU = pytest.param("cpu", marks=pytest.mark.skipif(HAS_CUDA,
+                                                  reason="interpreter only without CUDA"))
 GPU = pytest.param("cuda", marks=pytest.mark.gpu)
 FORMATS = ["nvfp4", "fp8_e4m3", "bf16"]
 
@@ -83,6 +84,14 @@ def test_decode_nvfp4_scale_modes_and_empty_splits(scale_mode, device):
 
 
 @pytest.mark.parametrize("device", [CPU, GPU])
+@pytest.mark.parametrize("parts", [2, 4])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_decode_parts(fmt, parts, device):
+    """Both head-dim splits of the dots (2 halves, or 4 parts from words of 4 codes)."""
+    _check_decode(fmt, device, seq_lens=(37, 20), hq=4, h=2, splits=2, block_n=16, parts=parts)
+
+
+@pytest.mark.parametrize("device", [CPU, GPU])
 def test_decode_half_precision_io(device):
     _check_decode("nvfp4", device, seq_lens=(40,), hq=16, h=2, splits=2, block_n=16,
                   q_dtype=torch.float16, out_dtype=torch.bfloat16)
@@ -104,7 +113,7 @@ def test_default_num_splits_depends_on_shapes_only():
 
 
 def test_decode_rejects_bad_arguments():
-    layout, pool, tables, lens, q = _case("nvfp4", 32, 16, (5, 9), 4, 2, seed=0)
+    layout, pool, tables, lens, q = _case("nvfp4", 64, 16, (5, 9), 4, 2, seed=0)
     pages = layout.layer_view(pool, 0)
     with pytest.raises(KernelInputError, match="q must be"):
         decode_attention(layout, pages, q[:, :3], tables, lens, 1.0)
@@ -114,13 +123,17 @@ def test_decode_rejects_bad_arguments():
         decode_attention(layout, pages, q[:1], tables, lens, 1.0)
     with pytest.raises(KernelInputError, match="out must be"):
         decode_attention(layout, pages, q, tables, lens, 1.0, out=torch.empty(2, 4, 16))
+    small, pool32, tables32, lens32, q32 = _case("bf16", 32, 16, (5,), 2, 1, seed=0)
+    with pytest.raises(KernelInputError, match="head_dim"):
+        decode_attention(small, small.layer_view(pool32, 0), q32, tables32, lens32, 1.0)
     with pytest.raises(KernelInputError, match="block_n"):
         decode_attention(layout, pages, q, tables, lens, 1.0, block_n=24)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("ptx", [False, True])
-def test_decode_gpu_nvfp4_dequant_paths(ptx):
-    """The portable nibble expansion and the inline-PTX one, on the same data."""
-    _check_decode("nvfp4", "cuda", d=128, s=16, seq_lens=(1000, 17, 300), hq=32, h=8, splits=3,
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8_e4m3"])
+def test_decode_gpu_dequant_paths(fmt, ptx):
+    """The portable code expansion and the inline-PTX one, on the same data."""
+    _check_decode(fmt, "cuda", d=128, s=16, seq_lens=(1000, 17, 300), hq=32, h=8, splits=3,
                   block_n=64, ptx=ptx)

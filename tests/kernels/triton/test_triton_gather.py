@@ -9,7 +9,8 @@ from nibble.kernels import KernelInputError, PageLayout, gather_kv_ref, store_kv
 from nibble.kernels.triton import gather_kv
 
 HAS_CUDA = torch.cuda.is_available()
-CPU = pytest.param("cpu", marks=pytest.mark.skipif(HAS_CUDA, reason="interpreter only without CUDA"))
+CPU = pytest.param("cpu", marks=pytest.mark.skipif(HAS_CUDA,
+                                                  reason="interpreter only without CUDA"))
 GPU = pytest.param("cuda", marks=pytest.mark.gpu)
 FORMATS = ["nvfp4", "fp8_e4m3", "bf16"]
 OUT_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn]

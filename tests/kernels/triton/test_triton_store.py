@@ -6,6 +6,8 @@ not, or writes where it should not, differ from the reference's pool.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -13,7 +15,8 @@ from nibble.kernels import KernelInputError, PageLayout, store_kv_ref
 from nibble.kernels.triton import store_kv
 
 HAS_CUDA = torch.cuda.is_available()
-CPU = pytest.param("cpu", marks=pytest.mark.skipif(HAS_CUDA, reason="interpreter only without CUDA"))
+CPU = pytest.param("cpu", marks=pytest.mark.skipif(HAS_CUDA,
+                                                  reason="interpreter only without CUDA"))
 GPU = pytest.param("cuda", marks=pytest.mark.gpu)
 FORMATS = ["nvfp4", "fp8_e4m3", "bf16"]
 IN_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn]
@@ -45,7 +48,8 @@ def _check_store(fmt, dtype, device, d=64, s=16, h=2, t=19, pages=6, k_scale=0.3
     store_kv(layout, layout.layer_view(pool_dev, 1), k.to(device), v.to(device),
              slots.to(device), k_scale, v_scale)
     mismatch = (pool_dev.cpu() != expect).nonzero()
-    assert mismatch.numel() == 0, f"{mismatch.shape[0]} bytes differ, first at {mismatch[:4].tolist()}"
+    assert mismatch.numel() == 0, (f"{mismatch.shape[0]} bytes differ, first at "
+                                   f"{mismatch[:4].tolist()}")
 
 
 @pytest.mark.parametrize("device", [CPU, GPU])
@@ -80,6 +84,28 @@ def test_store_nvfp4_ties_and_saturation(device):
     view = layout.layer_view(expect, 0)
     assert view.k_data[0, 0, 3, :8].tolist() == [0x07, 0x22, 0x44, 0x66, 0x8F, 0xAA, 0xCC, 0xEE]
     assert view.v_scale[0, 0, 3, 0].item() == 0x7E  # 448
+
+
+@pytest.mark.parametrize("device", [CPU, GPU])
+def test_store_nvfp4_rounding_sweep(device):
+    """Every block has amax 6 (scale 1.0): its other 15 values sweep [0, 7] on a fine grid
+    and one fp32 step either side of each E2M1 decision point."""
+    points = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 1.0, 0.5]
+    near = [math.nextafter(p, d) for p in points for d in (0.0, 10.0)] + points
+    values = torch.tensor([i / 64 for i in range(449)] + near, dtype=torch.float32)
+    values = torch.cat([values, -values])
+    blocks = -(-values.numel() // 60) * 4  # 4 blocks per 64-wide row
+    values = torch.cat([values, torch.zeros(blocks * 15 - values.numel())]).view(blocks, 15)
+    x = torch.cat([torch.full((blocks, 1), 6.0), values], 1).view(-1, 1, 64)
+    layout = PageLayout("nvfp4", 1, 1, 64, 16)
+    pool = layout.allocate(-(-x.shape[0] // 16)).fill_(0x5A)
+    expect = pool.clone()
+    slots = torch.arange(x.shape[0])
+    store_kv_ref(layout, layout.layer_view(expect, 0), x, x, slots, 1.0, 1.0)
+    pool_dev = pool.to(device)
+    store_kv(layout, layout.layer_view(pool_dev, 0), x.to(device), x.to(device),
+             slots.to(device), 1.0, 1.0)
+    assert torch.equal(pool_dev.cpu(), expect)
 
 
 @pytest.mark.parametrize("device", [CPU, GPU])

@@ -24,6 +24,8 @@ def run_all(engine, reqs):
             acc[o.request_id] = (ids + o.new_token_ids, text + o.text_delta)
             if o.finished:
                 done[o.request_id] = (*acc[o.request_id], o.finish_reason, o.usage)
+    if engine.tiers is not None:
+        assert engine.tiers.drain(), "tier jobs did not finish"   # backups pin pages briefly
     assert engine.pool.allocator.num_free == engine.pool.num_pages, "pages leaked"
     return done
 

@@ -66,6 +66,7 @@ class FakeEngine:
         self.requests: list[GenerateRequest] = []
         self.aborted: list[str] = []
         self.active: set[str] = set()
+        self.hanging: set[str] = set()        # requests waiting in hang_after until aborted
         self.flushes = 0
         self.stats_extra: dict = {}
         self.shut_down = False
@@ -99,8 +100,10 @@ class FakeEngine:
                 yield self._out(req, [], i, FinishReason.ABORT, self.error_after[1])
                 return
             if self.hang_after is not None and i == self.hang_after:
+                self.hanging.add(req.request_id)
                 while req.request_id not in self.aborted:
                     await asyncio.sleep(0.005)
+                self.hanging.discard(req.request_id)
             await asyncio.sleep(self.delay)
             if req.request_id in self.aborted:
                 yield self._out(req, [], i, FinishReason.ABORT)

@@ -113,6 +113,7 @@ def test_serve_runs_and_shuts_down_cleanly(sig, tmp_path):
     assert f"BUILD 4096 {port}" in out
     assert f"Nibble is serving 'fake-model' at {url}" in out
     assert "FAKE ENGINE SHUT DOWN" in out
+    assert "unauthenticated" in out and "loopback" in out
 
 
 def test_serve_port_in_use_exits_nonzero(tmp_path):
@@ -125,3 +126,54 @@ def test_serve_port_in_use_exits_nonzero(tmp_path):
             capture_output=True, text=True, timeout=30)
     assert proc.returncode != 0
     assert "FAKE ENGINE SHUT DOWN" in proc.stdout
+
+
+def test_api_key_flags_repeat():
+    args = build_parser().parse_args(["serve", "--api-key", "k1", "--api-key", "k2",
+                                      "--admin-api-key", "adm"])
+    cfg = config_from_args(args)
+    assert cfg.server.api_keys == ("k1", "k2") and cfg.server.admin_api_keys == ("adm",)
+    assert config_from_args(build_parser().parse_args(["serve"])).server.api_keys == ()
+
+
+@pytest.mark.parametrize("flag", ["--api-key", "--admin-api-key"])
+def test_unusable_key_exits_2_before_loading(flag, capsys, monkeypatch):
+    import nibble.services.cli as cli
+
+    monkeypatch.setattr(cli, "run_serve", lambda cfg: pytest.fail("the engine was built"))
+    with pytest.raises(SystemExit) as e:
+        main(["serve", flag, "two words"])
+    assert e.value.code == 2
+    assert f"{flag} values must be" in capsys.readouterr().err
+
+
+def test_serve_with_api_keys_end_to_end(tmp_path):
+    port = free_port()
+    log = open(tmp_path / "serve.log", "w+")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER, str(FAKE), "serve", "--port", str(port),
+         "--api-key", "sk-cli-user", "--admin-api-key", "sk-cli-admin"],
+        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        url = f"http://127.0.0.1:{port}"
+        _wait_healthy(url, proc)
+        body = {"prompt": "ab", "max_tokens": 2}
+        assert httpx.post(f"{url}/v1/completions", json=body).status_code == 401
+        r = httpx.post(f"{url}/v1/completions", json=body,
+                       headers={"Authorization": "Bearer sk-cli-user"})
+        assert r.status_code == 200
+        info = httpx.get(f"{url}/get_server_info", headers={"x-api-key": "sk-cli-user"})
+        assert info.status_code == 401
+        info = httpx.get(f"{url}/get_server_info", headers={"x-api-key": "sk-cli-admin"})
+        assert info.status_code == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    log.seek(0)
+    out = log.read()
+    assert "API keys: 1 guard /v1" in out and "need a key from --admin-api-key" in out
+    assert "unauthenticated" not in out
+    assert "sk-cli-user" not in out and "sk-cli-admin" not in out

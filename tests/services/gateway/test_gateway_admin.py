@@ -49,7 +49,7 @@ def run_with_hanging(engine, n: int, admin_call, stream: bool = True, path="/v1/
         async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=10) as c:
             tasks = [asyncio.create_task(c.post(path, json={**body, "stream": stream}))
                      for _ in range(n)]
-            await wait_for(lambda: len(engine.active) == n)
+            await wait_for(lambda: len(engine.hanging) == n)
             admin = await admin_call(c)
             done = await asyncio.wait_for(asyncio.gather(*tasks), timeout=5)
             return admin, done

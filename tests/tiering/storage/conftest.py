@@ -1,0 +1,198 @@
+"""Fixtures for the L3 storage tests.
+
+* ``redis_url``: the Redis at 127.0.0.1:6379 if it answers, else a private
+  ``redis-server`` on a free port for the whole session (stopped by PID).
+* ``redis_prefix``: a random key prefix per test; every key under it is
+  deleted afterwards.
+* ``private_redis``: a ``redis-server`` of the test's own (no persistence),
+  which the test may stop and restart; always stopped by PID at the end.
+* ``backend``/``make_backend``: the same tests against Redis and files.
+* ``pages``: real page records of a small pool filled with random bytes.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+import uuid
+from dataclasses import dataclass
+
+import pytest
+import redis
+import torch
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from nibble.kernels import PageLayout
+from nibble.tiering import KVPool
+from nibble.tiering.page_record import PageHeader, chain_keys, encode_page, namespace_root
+from nibble.tiering.storage import FileStorage, RedisStorage
+
+SHARED_HOST, SHARED_PORT = "127.0.0.1", 6379
+FAST_BACKOFF = dict(backoff_base_s=0.05, backoff_max_s=0.2)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(pred, timeout: float = 5.0, step: float = 0.02) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(step)
+    return bool(pred())
+
+
+def _answers(host: str, port: int) -> bool:
+    try:
+        with redis.Redis(host=host, port=port, socket_connect_timeout=0.5,
+                         retry=Retry(NoBackoff(), 0)) as r:  # no retries: answer now
+            return bool(r.ping())
+    except redis.RedisError:
+        return False
+
+
+class RedisServer:
+    """A private redis-server on 127.0.0.1 (no RDB, no AOF), controlled by its PID."""
+
+    def __init__(self, workdir, port: int | None = None):
+        self.binary = shutil.which("redis-server")
+        if self.binary is None:
+            pytest.skip("redis-server is not installed")
+        self.workdir, self.port = workdir, port or free_port()
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> "RedisServer":
+        self.proc = subprocess.Popen(
+            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", str(self.workdir)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        if not wait_for(lambda: _answers("127.0.0.1", self.port)):
+            self.stop()
+            pytest.fail(f"private redis-server did not start on port {self.port}")
+        return self
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=5)
+        self.proc = None
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory):
+    if _answers(SHARED_HOST, SHARED_PORT):
+        yield f"redis://{SHARED_HOST}:{SHARED_PORT}/0"
+        return
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def raw_redis(redis_url):
+    client = redis.Redis.from_url(redis_url)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def redis_prefix(raw_redis):
+    prefix = f"nibble:test:{uuid.uuid4().hex}:"
+    yield prefix
+    keys = list(raw_redis.scan_iter(match=prefix + "*", count=1000))
+    if keys:
+        raw_redis.unlink(*keys)
+
+
+@pytest.fixture
+def private_redis(tmp_path):
+    server = RedisServer(tmp_path).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def make_backend(request, tmp_path):
+    """``make_backend(kind, name="a", **opts)``: a fresh backend, closed at the end.
+
+    Redis backends share the test's ``redis_prefix`` + name; file backends get
+    ``tmp_path / name``. Fast reconnect backoff unless overridden.
+    """
+    made = []
+
+    def make(kind: str, name: str = "a", **opts):
+        opts = {**FAST_BACKOFF, **opts}
+        if kind == "redis":
+            url = opts.pop("url", None) or request.getfixturevalue("redis_url")
+            prefix = request.getfixturevalue("redis_prefix") + name + ":"
+            store = RedisStorage(url, prefix=prefix, **opts)
+        else:
+            store = FileStorage(tmp_path / name, **opts)
+        made.append(store)
+        return store
+
+    yield make
+    for store in made:
+        store.close()
+
+
+@pytest.fixture(params=[pytest.param("redis", marks=pytest.mark.redis), "file"])
+def kind(request) -> str:
+    return request.param
+
+
+@pytest.fixture
+def backend(kind, make_backend):
+    return make_backend(kind)
+
+
+@dataclass
+class Pages:
+    layout: PageLayout
+    pool: KVPool
+    header: PageHeader
+    keys: list[bytes]
+    records: list[bytes]
+
+    @property
+    def items(self) -> list[tuple[bytes, bytes]]:
+        return list(zip(self.keys, self.records))
+
+
+def make_pages(kv_format: str, n: int, seed: int = 0, **geom) -> Pages:
+    """``n`` pages of random bytes in a KVPool, their chain keys and encoded records."""
+    geom = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 32, "page_size": 16, **geom}
+    layout = PageLayout(kv_format, **geom)
+    g = torch.Generator().manual_seed(seed)
+    pool = KVPool(layout, n)
+    pool.set_global_scales(torch.rand((layout.num_layers, 2), generator=g) + 0.5)
+    pool.pages.copy_(torch.randint(0, 256, pool.pages.shape, dtype=torch.uint8, generator=g))
+    header = PageHeader.for_pool(layout, pool.scale_version, pool.global_scales)
+    tokens = torch.randint(0, 50_000, (n * layout.page_size,), generator=g).tolist()
+    keys = chain_keys(namespace_root("test-model", layout, f"tenant-{seed}"), tokens,
+                      layout.page_size)
+    records = [encode_page(header, pool.pages[i]) for i in range(n)]
+    return Pages(layout, pool, header, keys, records)
+
+
+@pytest.fixture
+def pages():
+    return make_pages

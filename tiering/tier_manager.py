@@ -1,0 +1,273 @@
+"""The tier manager: the only component that moves pages between L1, L2 and L3.
+
+* **Keys.** Every cached page is identified by its chained content key
+  (``page_record.chain_keys``), namespaced by model, format, layout and tenant.
+  The L1 radix tree indexes token runs to L1 pages; for pages below L1 the key
+  is the handle, and the tier manager's indexes (L2 slot map, L3 store) say
+  where that key lives.
+* **Write path.** ``write_through``: pages go to L2 (and on to L3) as soon as
+  they are cached in L1; ``write_through_selective``: only from their second
+  hit; ``write_back``: when L1 evicts them (L2 -> L3 when L2 evicts). Copies run
+  on the worker thread, with L1 pages pinned meanwhile, so no step waits.
+* **Read path.** Before admission, ``prepare`` finds the run of pages that
+  follows the L1 hit in L2 and, where the cost model says loading beats
+  recomputing, starts an L3 -> L2 prefetch; ``load`` then copies the run from L2
+  into fresh L1 pages and inserts it into the radix tree.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from .allocator import PageId
+from .host_pool import HostPool
+from .kv_pool import KVPool
+from .page_record import PageHeader, chain_keys, encode_page, namespace_root
+from .radix_cache import RadixCache
+from .tier_worker import Prefetch, TierWorker
+
+log = logging.getLogger(__name__)
+
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+
+
+@dataclass(frozen=True)
+class TierPolicy:
+    write_policy: str = "write_through"
+    prefetch_policy: str = "best_effort"
+    prefetch_timeout_s: float = 2.0
+    l3_latency_s: float = 0.002          # per batch round trip, for the cost model
+    assumed_l3_bytes_s: float = 300e6    # until a fetch has been measured
+    assumed_prefill_tok_s: float = 500.0  # until a prefill has been measured
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    pages: list[PageId]        # new L1 pages (refcount 1, cached in the radix tree)
+    from_l2: int               # pages that were already in L2
+    from_l3: int               # pages that came up from L3 for this request
+
+
+class TierManager:
+    def __init__(self, pool: KVPool, cache: RadixCache, fingerprint: str,
+                 host: HostPool | None, storage=None, policy: TierPolicy = TierPolicy()):
+        if policy.write_policy not in WRITE_POLICIES or policy.prefetch_policy not in PREFETCH_POLICIES:
+            raise ValueError(f"bad tier policy {policy}")
+        self.pool, self.cache, self.host, self.storage = pool, cache, host, storage
+        self.policy = policy
+        self.fingerprint = fingerprint
+        self.page_size = pool.layout.page_size
+        self._roots: dict[str, bytes] = {}
+        self._l1_key: dict[PageId, bytes] = {}       # cached L1 page -> its content key
+        self._hits: dict[bytes, int] = {}            # for write_through_selective
+        self._inflight: dict[int, tuple[list[PageId], list[bytes]]] = {}  # job -> pinned pages, keys
+        self._inflight_keys: set[bytes] = set()
+        self._job_ids = 0
+        self._prefetch: dict[str, Prefetch] = {}
+        self.prefill_tok_s = 0.0
+        self.counters = {"l1_hit_pages": 0, "l2_hit_pages": 0, "l3_hit_pages": 0,
+                         "l2_to_l1_pages": 0, "l1_to_l2_evict_pages": 0,
+                         "prefetch_skipped_slow": 0, "load_seconds": 0.0, "loads": 0}
+        self.worker = TierWorker(pool.pages, host, storage, self.header)
+        pool.add_reuse_hook(self._on_reuse, first=True)
+        if host is not None:
+            host.on_evict = self._on_l2_evict
+
+    # ---- identity ----
+    def header(self) -> PageHeader:
+        return PageHeader.for_pool(self.pool.layout, self.pool.scale_version, self.pool.global_scales)
+
+    def keys(self, namespace: str, tokens, num_pages: int) -> list[bytes]:
+        root = self._roots.get(namespace)
+        if root is None:
+            root = self._roots[namespace] = namespace_root(self.fingerprint, self.pool.layout,
+                                                           namespace)
+        return chain_keys(root, tokens[:num_pages * self.page_size], self.page_size)
+
+    # ---- write path (engine thread) ----
+    def on_cached(self, namespace: str, tokens, pages: list[PageId]) -> None:
+        """``pages`` (full pages of ``tokens``) were offered to the radix tree."""
+        if self.host is None:
+            return
+        todo = []
+        for page, key in zip(pages, self.keys(namespace, tokens, len(pages))):
+            if not self.cache.is_cached(page) or page in self._l1_key:
+                continue
+            self._l1_key[page] = key
+            if self._wants_backup(key):
+                todo.append((page, key))
+        self._backup(todo)
+
+    def _wants_backup(self, key: bytes) -> bool:
+        if self.policy.write_policy == "write_back" or key in self._inflight_keys or key in self.host:
+            return False
+        return self.policy.write_policy == "write_through" or self._hits.get(key, 0) >= 2
+
+    def note_hits(self, pages: list[PageId]) -> None:
+        """L1 prefix hits (for the selective policy and hit metrics)."""
+        self.counters["l1_hit_pages"] += len(pages)
+        if self.policy.write_policy != "write_through_selective" or self.host is None:
+            return
+        todo = []
+        for page in pages:
+            key = self._l1_key.get(page)
+            if key is not None:
+                self._hits[key] = self._hits.get(key, 0) + 1
+                if self._wants_backup(key):
+                    todo.append((page, key))
+        self._backup(todo)
+
+    def _backup(self, pairs: list[tuple[PageId, bytes]]) -> None:
+        if not pairs:
+            return
+        pages = [p for p, _ in pairs]
+        self.pool.allocator.incref(pages)             # pinned until the copy is done
+        self._job_ids += 1
+        self._inflight[self._job_ids] = (pages, [k for _, k in pairs])
+        self._inflight_keys.update(k for _, k in pairs)
+        self.worker.submit("backup", self._job_ids, pairs)
+
+    def _on_reuse(self, pages: list[PageId]) -> None:
+        """L1 is about to hand these pages out again: write back what the policy keeps."""
+        for page in pages:
+            key = self._l1_key.pop(page, None)
+            if key is None or self.host is None or self.policy.write_policy != "write_back" \
+                    or key in self.host:
+                continue
+            slot = self.host.reserve(key)
+            if slot is not None:
+                self.host.data[slot].copy_(self.pool.pages[page])
+                self.host.commit(key)
+                self.counters["l1_to_l2_evict_pages"] += 1
+
+    def _on_l2_evict(self, key: bytes, slot: int) -> None:
+        if self.storage is not None and self.policy.write_policy == "write_back":
+            self.worker.submit("persist", [(key, encode_page(self.header(), self.host.data[slot]))])
+
+    def poll(self) -> None:
+        """Apply finished background work (engine thread, once per step)."""
+        while not self.worker.done.empty():
+            kind, job_id = self.worker.done.get_nowait()
+            if kind == "backup":
+                pages, keys = self._inflight.pop(job_id)
+                self._inflight_keys.difference_update(keys)
+                self.pool.free(pages)
+
+    def drain(self, timeout: float = 10.0) -> bool:
+        """Wait until queued background work is done and applied; False on timeout."""
+        deadline = time.monotonic() + timeout
+        while self._inflight or self.worker.busy():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
+            self.poll()
+        return True
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        if tokens >= 16 and seconds > 0:
+            tps = tokens / seconds
+            self.prefill_tok_s = tps if not self.prefill_tok_s else 0.8 * self.prefill_tok_s + 0.2 * tps
+
+    # ---- read path (engine thread) ----
+    def _l2_run(self, keys: list[bytes]) -> int:
+        n = 0
+        while n < len(keys) and keys[n] in self.host:
+            n += 1
+        return n
+
+    def prepare(self, request_id: str, namespace: str, tokens, first: int, limit: int) -> bool:
+        """May the request be admitted now? Starts its L3 prefetch on the first call.
+
+        ``first``: pages already matched in L1; ``limit``: most pages to reuse.
+        """
+        if self.host is None or first >= limit:
+            return True
+        pf = self._prefetch.get(request_id)
+        if pf is None:
+            keys = self.keys(namespace, tokens, limit)[first:]
+            in_l2 = self._l2_run(keys)
+            rest = keys[in_l2:]
+            if not rest or self.storage is None or not self._worth_fetching(len(rest)):
+                return True
+            pf = self._prefetch[request_id] = Prefetch(rest)
+            self.worker.submit("fetch", request_id, pf)
+        if pf.done or self.policy.prefetch_policy == "best_effort":
+            return True
+        if self.policy.prefetch_policy == "timeout":
+            return time.monotonic() - pf.started >= self.policy.prefetch_timeout_s
+        return False
+
+    def _worth_fetching(self, num_pages: int) -> bool:
+        """Cost model: load from L3 only when it beats recomputing (sglang#26305's trap)."""
+        bw = self.worker.l3_bytes_s or self.policy.assumed_l3_bytes_s
+        tps = self.prefill_tok_s or self.policy.assumed_prefill_tok_s
+        batches = -(-num_pages // 64)
+        load_s = num_pages * self.pool.layout.page_nbytes / bw + batches * self.policy.l3_latency_s
+        if load_s < num_pages * self.page_size / tps:
+            return True
+        self.counters["prefetch_skipped_slow"] += 1
+        return False
+
+    def load(self, request_id: str, namespace: str, tokens, l1_pages: list[PageId],
+             limit: int, max_new: int) -> LoadResult:
+        """Copy the L2-resident run after ``l1_pages`` into new L1 pages (at most ``max_new``).
+
+        The new pages hold refcount 1 for the caller and are inserted into the radix tree.
+        """
+        pf = self._prefetch.pop(request_id, None)
+        first = len(l1_pages)
+        if self.host is None or first >= limit or max_new <= 0:
+            return LoadResult([], 0, 0)
+        keys = self.keys(namespace, tokens, limit)[first:]
+        keys = keys[:min(self._l2_run(keys), max_new, self.pool.allocator.num_free)]
+        if not keys:
+            return LoadResult([], 0, 0)
+        t0 = time.perf_counter()
+        self.host.pin(keys)
+        try:
+            pages = self.pool.allocate(len(keys))
+            for page, key in zip(pages, keys):
+                self.pool.pages[page].copy_(self.host.data[self.host.slot(key)])
+        finally:
+            self.host.unpin(keys)
+        ps = self.page_size
+        self.cache.insert(tokens[:(first + len(pages)) * ps], list(l1_pages) + pages, namespace)
+        for page, key in zip(pages, keys):
+            if self.cache.is_cached(page):
+                self._l1_key[page] = key
+        from_l3 = len(pf.loaded.intersection(keys)) if pf is not None else 0
+        self.counters["l2_hit_pages"] += len(pages) - from_l3
+        self.counters["l3_hit_pages"] += from_l3
+        self.counters["l2_to_l1_pages"] += len(pages)
+        self.counters["load_seconds"] += time.perf_counter() - t0
+        self.counters["loads"] += 1
+        return LoadResult(pages, len(pages) - from_l3, from_l3)
+
+    def cancel(self, request_id: str) -> None:
+        """Forget a waiting request's prefetch (aborted); fetched pages stay in L2."""
+        self._prefetch.pop(request_id, None)
+
+    def flush(self) -> None:
+        """Forget L2 (L3 is storage and stays); called with the L1 cache flush."""
+        self._l1_key.clear()
+        self._hits.clear()
+        if self.host is not None:
+            self.host.clear()
+
+    def stats(self) -> dict:
+        health = self.storage.health() if self.storage is not None else None
+        return {
+            **self.counters, **self.worker.counters,
+            "l2_pages": len(self.host) if self.host is not None else 0,
+            "l2_capacity_pages": self.host.num_pages if self.host is not None else 0,
+            "l2_evictions": self.host.evictions if self.host is not None else 0,
+            "l3_state": health.state if health is not None else "absent",
+            "l3_bytes_per_s": self.worker.l3_bytes_s, "prefill_tok_per_s": self.prefill_tok_s,
+            "write_policy": self.policy.write_policy, "prefetch_policy": self.policy.prefetch_policy,
+        }
+
+    def close(self) -> None:
+        self.worker.close()

@@ -1,0 +1,144 @@
+"""Background jobs of the tier manager: L1->L2 backups, L2->L3 writes, L3->L2 prefetches.
+
+The worker never touches allocator state; the engine thread pins L1 pages
+before a backup and unpins them when the job's completion comes back through
+``done`` (drained by ``TierManager.poll``).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .host_pool import HostPool
+from .page_record import PageHeader, PageRecordError, decode_page, encode_page
+
+log = logging.getLogger(__name__)
+BATCH = 64
+
+
+@dataclass
+class Prefetch:
+    """An L3 -> L2 fetch for one waiting request."""
+
+    keys: list[bytes]
+    started: float = field(default_factory=time.monotonic)
+    done: bool = False
+    loaded: set[bytes] = field(default_factory=set)   # keys that arrived intact in L2
+    corrupt: int = 0
+
+
+class TierWorker:
+    """One daemon thread executing tier jobs in order."""
+
+    def __init__(self, pool_pages: torch.Tensor, host: HostPool | None, storage, header_fn):
+        self.pool_pages = pool_pages
+        self.host = host
+        self.storage = storage
+        self.header_fn = header_fn            # () -> PageHeader of the pool's current scales
+        self.jobs: queue.Queue = queue.Queue()
+        self.done: queue.Queue = queue.Queue()
+        self.l3_bytes_s = 0.0                 # EMA of measured L3 read bandwidth (0 = unknown)
+        self.counters = {"l2_written": 0, "l3_written": 0, "l3_write_failed": 0,
+                         "l3_read": 0, "l3_miss": 0, "l3_corrupt": 0, "l3_bytes_read": 0,
+                         "l3_bytes_written": 0}
+        self._lock = threading.Lock()
+        self._pending = 0
+        self._thread = threading.Thread(target=self._run, name="nibble-tiers", daemon=True)
+        self._thread.start()
+
+    def submit(self, *job) -> None:
+        with self._lock:
+            self._pending += 1
+        self.jobs.put(job)
+
+    def busy(self) -> bool:
+        """True while any submitted job has not finished."""
+        with self._lock:
+            return self._pending > 0
+
+    def close(self) -> None:
+        self.jobs.put(("stop",))
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while True:
+            job = self.jobs.get()
+            kind = job[0]
+            if kind == "stop":
+                return
+            try:
+                getattr(self, f"_{kind}")(*job[1:])
+            except Exception:  # noqa: BLE001 - a tier fault must never stop serving
+                log.exception("tier job %s failed", kind)
+                if kind == "backup":
+                    self.done.put(("backup", job[1]))
+                elif kind == "fetch":
+                    job[2].done = True
+            finally:
+                with self._lock:
+                    self._pending -= 1
+
+    def _backup(self, job_id: int, pairs: list[tuple[int, bytes]]) -> None:
+        """Copy pinned L1 pages into L2 slots, then write them to L3."""
+        written = []
+        for page, key in pairs:
+            slot = self.host.reserve(key)
+            if slot is None:
+                continue
+            self.host.data[slot].copy_(self.pool_pages[page])
+            self.host.commit(key)
+            written.append((key, slot))
+        self.counters["l2_written"] += len(written)
+        self.done.put(("backup", job_id))
+        if self.storage is not None and written:
+            header = self.header_fn()
+            self._persist([(k, encode_page(header, self.host.data[s])) for k, s in written])
+
+    def _persist(self, items: list[tuple[bytes, bytes]]) -> None:
+        for i in range(0, len(items), BATCH):
+            chunk = items[i:i + BATCH]
+            stored = self.storage.put_batch(chunk)
+            self.counters["l3_written"] += stored
+            self.counters["l3_write_failed"] += len(chunk) - stored
+            self.counters["l3_bytes_written"] += sum(len(v) for _, v in chunk[:stored])
+
+    def _fetch(self, request_id: str, pf: Prefetch) -> None:
+        """Read a run of keys from L3 into L2, stopping at the first miss or bad record."""
+        header = self.header_fn()
+        for i in range(0, len(pf.keys), BATCH):
+            keys = pf.keys[i:i + BATCH]
+            t0 = time.perf_counter()
+            blobs = self.storage.get_batch(keys)
+            dt = time.perf_counter() - t0
+            nbytes = sum(len(b) for b in blobs if b)
+            if nbytes and dt > 0:
+                bw = nbytes / dt
+                self.l3_bytes_s = bw if not self.l3_bytes_s else 0.7 * self.l3_bytes_s + 0.3 * bw
+            self.counters["l3_bytes_read"] += nbytes
+            for key, blob in zip(keys, blobs):
+                if blob is None:
+                    self.counters["l3_miss"] += 1
+                    pf.done = True
+                    return
+                try:
+                    payload = decode_page(blob, header)
+                except PageRecordError as e:
+                    log.warning("discarding a stored page: %s", e)
+                    self.counters["l3_corrupt"] += 1
+                    pf.corrupt += 1
+                    pf.done = True
+                    return
+                slot = self.host.reserve(key)
+                if slot is not None:
+                    self.host.data[slot].view(-1).copy_(torch.frombuffer(bytearray(payload),
+                                                                         dtype=torch.uint8))
+                    self.host.commit(key)
+                pf.loaded.add(key)
+                self.counters["l3_read"] += 1
+        pf.done = True
