@@ -86,7 +86,7 @@ class EngineStatsCollector(Collector):
             yield CounterMetricFamily(PREFIX + "num_preemptions",
                                       "Requests preempted because KV pages ran out.",
                                       value=float(s["num_preemptions"]))
-        if s.get("tiers"):
+        if s.get("tiers") and s["tiers"].get("hierarchical"):
             yield from tier_families(s["tiers"], s.get("num_cached_pages", 0))
 
 

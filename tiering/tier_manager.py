@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 
 from .allocator import PageId
+from .events import KVEventLog
 from .host_pool import HostPool
 from .kv_pool import KVPool
 from .page_record import PageHeader, chain_keys, encode_page, namespace_root
@@ -71,7 +72,8 @@ class TierManager:
         self.counters = {"l1_hit_pages": 0, "l2_hit_pages": 0, "l3_hit_pages": 0,
                          "l2_to_l1_pages": 0, "l1_to_l2_evict_pages": 0,
                          "prefetch_skipped_slow": 0, "load_seconds": 0.0, "loads": 0}
-        self.worker = TierWorker(pool.pages, host, storage, self.header)
+        self.events = KVEventLog()
+        self.worker = TierWorker(pool.pages, host, storage, self.header, self.events)
         pool.add_reuse_hook(self._on_reuse, first=True)
         if host is not None:
             host.on_evict = self._on_l2_evict
@@ -90,15 +92,15 @@ class TierManager:
     # ---- write path (engine thread) ----
     def on_cached(self, namespace: str, tokens, pages: list[PageId]) -> None:
         """``pages`` (full pages of ``tokens``) were offered to the radix tree."""
-        if self.host is None:
-            return
-        todo = []
+        todo, stored = [], []
         for page, key in zip(pages, self.keys(namespace, tokens, len(pages))):
             if not self.cache.is_cached(page) or page in self._l1_key:
                 continue
             self._l1_key[page] = key
-            if self._wants_backup(key):
+            stored.append(key)
+            if self.host is not None and self._wants_backup(key):
                 todo.append((page, key))
+        self.events.emit("stored", "l1", stored)
         self._backup(todo)
 
     def _wants_backup(self, key: bytes) -> bool:
@@ -134,6 +136,8 @@ class TierManager:
         """L1 is about to hand these pages out again: write back what the policy keeps."""
         for page in pages:
             key = self._l1_key.pop(page, None)
+            if key is not None:
+                self.events.emit("removed", "l1", [key])
             if key is None or self.host is None or self.policy.write_policy != "write_back" \
                     or key in self.host:
                 continue
@@ -142,8 +146,10 @@ class TierManager:
                 self.host.data[slot].copy_(self.pool.pages[page])
                 self.host.commit(key)
                 self.counters["l1_to_l2_evict_pages"] += 1
+                self.events.emit("stored", "l2", [key])
 
     def _on_l2_evict(self, key: bytes, slot: int) -> None:
+        self.events.emit("removed", "l2", [key])
         if self.storage is not None and self.policy.write_policy == "write_back":
             self.worker.submit("persist", [(key, encode_page(self.header(), self.host.data[slot]))])
 
@@ -191,6 +197,7 @@ class TierManager:
             in_l2 = self._l2_run(keys)
             rest = keys[in_l2:]
             if not rest or self.storage is None or not self._worth_fetching(len(rest)):
+                self._prefetch[request_id] = Prefetch([], done=True)   # decided: nothing to fetch
                 return True
             pf = self._prefetch[request_id] = Prefetch(rest)
             self.worker.submit("fetch", request_id, pf)
@@ -238,6 +245,7 @@ class TierManager:
         for page, key in zip(pages, keys):
             if self.cache.is_cached(page):
                 self._l1_key[page] = key
+        self.events.emit("stored", "l1", keys)
         from_l3 = len(pf.loaded.intersection(keys)) if pf is not None else 0
         self.counters["l2_hit_pages"] += len(pages) - from_l3
         self.counters["l3_hit_pages"] += from_l3
@@ -252,6 +260,7 @@ class TierManager:
 
     def flush(self) -> None:
         """Forget L2 (L3 is storage and stays); called with the L1 cache flush."""
+        self.events.emit("removed", "l1", list(self._l1_key.values()))
         self._l1_key.clear()
         self._hits.clear()
         if self.host is not None:
@@ -260,6 +269,7 @@ class TierManager:
     def stats(self) -> dict:
         health = self.storage.health() if self.storage is not None else None
         return {
+            "hierarchical": self.host is not None,
             **self.counters, **self.worker.counters,
             "l2_pages": len(self.host) if self.host is not None else 0,
             "l2_capacity_pages": self.host.num_pages if self.host is not None else 0,

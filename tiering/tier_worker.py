@@ -36,11 +36,13 @@ class Prefetch:
 class TierWorker:
     """One daemon thread executing tier jobs in order."""
 
-    def __init__(self, pool_pages: torch.Tensor, host: HostPool | None, storage, header_fn):
+    def __init__(self, pool_pages: torch.Tensor, host: HostPool | None, storage, header_fn,
+                 events=None):
         self.pool_pages = pool_pages
         self.host = host
         self.storage = storage
         self.header_fn = header_fn            # () -> PageHeader of the pool's current scales
+        self.events = events                  # KVEventLog or None
         self.jobs: queue.Queue = queue.Queue()
         self.done: queue.Queue = queue.Queue()
         self.l3_bytes_s = 0.0                 # EMA of measured L3 read bandwidth (0 = unknown)
@@ -84,6 +86,10 @@ class TierWorker:
                 with self._lock:
                     self._pending -= 1
 
+    def _emit(self, kind: str, tier: str, keys: list[bytes]) -> None:
+        if self.events is not None:
+            self.events.emit(kind, tier, keys)
+
     def _backup(self, job_id: int, pairs: list[tuple[int, bytes]]) -> None:
         """Copy pinned L1 pages into L2 slots, then write them to L3."""
         written = []
@@ -95,6 +101,7 @@ class TierWorker:
             self.host.commit(key)
             written.append((key, slot))
         self.counters["l2_written"] += len(written)
+        self._emit("stored", "l2", [k for k, _ in written])
         self.done.put(("backup", job_id))
         if self.storage is not None and written:
             header = self.header_fn()
@@ -104,6 +111,8 @@ class TierWorker:
         for i in range(0, len(items), BATCH):
             chunk = items[i:i + BATCH]
             stored = self.storage.put_batch(chunk)
+            if stored == len(chunk):
+                self._emit("stored", "l3", [k for k, _ in chunk])
             self.counters["l3_written"] += stored
             self.counters["l3_write_failed"] += len(chunk) - stored
             self.counters["l3_bytes_written"] += sum(len(v) for _, v in chunk[:stored])
@@ -139,6 +148,7 @@ class TierWorker:
                     self.host.data[slot].view(-1).copy_(torch.frombuffer(bytearray(payload),
                                                                          dtype=torch.uint8))
                     self.host.commit(key)
+                    self._emit("stored", "l2", [key])
                 pf.loaded.add(key)
                 self.counters["l3_read"] += 1
         pf.done = True

@@ -99,6 +99,15 @@ class AsyncEngine:
         """Gauges of the engine (read without locking; values may be one step old)."""
         return self.core.stats()
 
+    def kv_events(self, since: int = 0, limit: int = 1000) -> dict:
+        """KV events after ``since`` (see ``nibble.tiering.events``)."""
+        tiers = self.core.tiers
+        if tiers is None:
+            return {"events": [], "last_seq": 0, "lost": False}
+        events, lost = tiers.events.since(since, limit)
+        return {"events": [e.__dict__ for e in events], "last_seq": tiers.events.last_seq,
+                "lost": lost}
+
     def is_healthy(self) -> bool:
         return self._dead is None and self._thread.is_alive()
 

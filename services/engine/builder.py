@@ -15,6 +15,7 @@ from nibble.tiering.radix_cache import RadixCache
 from nibble.tiering.storage import create_storage_backend
 from nibble.tiering.tier_manager import TierManager, TierPolicy
 
+from .. import attention
 from ..attention import ATTENTION_BACKENDS
 from ..config import CacheConfig, DeviceConfig, HiCacheConfig, NibbleConfig
 from ..errors import ConfigError
@@ -80,9 +81,13 @@ def default_storage_dir() -> str:
 
 def build_tiers(cfg: HiCacheConfig, pool: KVPool, cache: RadixCache, fingerprint: str
                 ) -> TierManager | None:
-    """L2 host pool and L3 storage below ``pool``, per --enable-hierarchical-cache."""
+    """L2 host pool and L3 storage below ``pool``, per --enable-hierarchical-cache.
+
+    Without it the tier manager still runs L1-only: it keys cached pages and
+    publishes KV events, so a router can mirror the cache.
+    """
     if not cfg.enable_hierarchical_cache:
-        return None
+        return TierManager(pool, cache, fingerprint, None, None)
     layout = pool.layout
     if cfg.hicache_size is not None:
         host_pages = int(cfg.hicache_size * 1e9) // layout.page_nbytes
@@ -104,6 +109,32 @@ def build_tiers(cfg: HiCacheConfig, pool: KVPool, cache: RadixCache, fingerprint
     return TierManager(pool, cache, fingerprint, host, storage, policy)
 
 
+def select_attention_backend(requested: str, layout: PageLayout, device: torch.device) -> str:
+    """The backend name for --attention-backend ``requested`` (auto|torch|triton).
+
+    ``auto`` picks ``triton`` on CUDA when Triton imports and its kernels fit the
+    layout, else ``torch``. A forced ``triton`` that cannot run is a ConfigError
+    (on CPU it runs only under Triton's interpreter, TRITON_INTERPRET=1).
+    """
+    triton_cls = attention.TritonAttentionBackend
+    if requested == "auto":
+        if (device.type == "cuda" and triton_cls is not None
+                and triton_cls.unsupported_reason(layout, device) is None):
+            return "triton"
+        return "torch"
+    if requested == "triton":
+        if triton_cls is None:
+            raise ConfigError(f"--attention-backend triton: Triton is not usable here "
+                              f"({attention.TRITON_IMPORT_ERROR})")
+        reason = triton_cls.unsupported_reason(layout, device)
+        if reason is not None:
+            raise ConfigError(f"--attention-backend triton: {reason}")
+    if requested not in ATTENTION_BACKENDS:
+        raise ConfigError(f"attention backend {requested!r} is not available; "
+                          f"known: {sorted(ATTENTION_BACKENDS)}")
+    return requested
+
+
 def build_parts(cfg: NibbleConfig) -> EngineParts:
     from ..models.loader import load_model  # heavy import, deferred
 
@@ -115,13 +146,11 @@ def build_parts(cfg: NibbleConfig) -> EngineParts:
     geometry = dict(num_layers=arch.num_layers, num_kv_heads=arch.num_kv_heads,
                     head_dim=arch.head_dim, page_size=cfg.cache.page_size)
     layout = PageLayout(kv_format, **geometry)
+    backend_name = select_attention_backend(cfg.device.attention_backend, layout, device)
+    log.info("attention backend: %s", backend_name)
     weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
     pool = KVPool(layout, plan_num_pages(cfg.cache, layout, device, weight_bytes), device)
     per_format = {name: PageLayout(name, **geometry).bytes_per_token for name in KV_CACHE_FORMATS}
-    backend_name = "torch" if cfg.device.attention_backend == "auto" else cfg.device.attention_backend
-    if backend_name not in ATTENTION_BACKENDS:
-        raise ConfigError(f"attention backend {backend_name!r} is not available; "
-                          f"known: {sorted(ATTENTION_BACKENDS)}")
     backend = ATTENTION_BACKENDS[backend_name](pool, arch.sm_scale, cfg.cache.prefill_kv_dtype)
     context = min(cfg.model.context_length or arch.max_position_embeddings,
                   arch.max_position_embeddings)

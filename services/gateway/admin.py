@@ -82,6 +82,14 @@ def admin_router() -> APIRouter:
         log.info("prefix cache flushed")
         return JSONResponse({"success": True, "message": "Cache flushed."})
 
+    @router.get("/kv_events")
+    async def kv_events(request: Request, since: int = 0, limit: int = 1000) -> Response:
+        """Cache events after ``since`` (stored/removed per tier, with content keys)."""
+        engine = request.app.state.engine
+        if not hasattr(engine, "kv_events"):
+            return JSONResponse({"events": [], "last_seq": 0, "lost": False})
+        return JSONResponse(engine.kv_events(max(0, since), max(1, min(limit, 10_000))))
+
     @router.post("/abort_request")
     async def abort_request(body: AbortRequestBody, request: Request) -> Response:
         engine = request.app.state.engine

@@ -5,7 +5,7 @@ learns nothing, not even whether its JSON was valid):
 
 - ``/health`` and ``/metrics`` are always open (load balancers and Prometheus
   scrape them; /metrics holds aggregates only, as in SGLang).
-- Admin routes (``/flush_cache``, ``/abort_request``, ``/get_server_info``)
+- Admin routes (``/flush_cache``, ``/abort_request``, ``/get_server_info``, ``/kv_events``)
   need an ``--admin-api-key`` when one is configured, else an ``--api-key``
   when one is configured, else they are open.
 - Every other path (``/v1/*``, the docs, unknown paths) needs an ``--api-key``
@@ -32,7 +32,7 @@ from ..errors import ConfigError
 from .errors import error_response
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
-ADMIN_PATHS = frozenset({"/flush_cache", "/abort_request", "/get_server_info"})
+ADMIN_PATHS = frozenset({"/flush_cache", "/abort_request", "/get_server_info", "/kv_events"})
 TENANT_SCOPE_KEY = "nibble.tenant"     # ASGI scope entry holding the verified key's tenant id
 REDACTED_FIELDS = ("api_keys", "admin_api_keys")
 

@@ -23,14 +23,14 @@ from .test_engine import PROMPT, alone, greedy, run_all
 
 
 def tiered_engine(model, tmp_path, kv="bf16", write="write_through", prefetch="wait_complete",
-                  num_pages=32, host_pages=64, storage=True):
+                  num_pages=32, host_pages=64, storage=True, **policy):
     a = model.arch
     layout = PageLayout(kv, a.num_layers, a.num_kv_heads, a.head_dim, 16)
     pool = KVPool(layout, num_pages)
     cache = RadixCache(16, pool)
     store = create_storage_backend("file", str(tmp_path / "l3")) if storage else None
     tiers = TierManager(pool, cache, "test-model", HostPool(layout, host_pages), store,
-                        TierPolicy(write, prefetch))
+                        TierPolicy(write, prefetch, **{"l3_latency_s": 0.0, **policy}))
     backend = TorchAttentionBackend(pool, a.sm_scale)
     eng = EngineCore(ModelRunner(model, backend, torch.device("cpu")), pool, CharTokenizer(),
                      SchedulerConfig(), a.max_position_embeddings, cache, tiers)
@@ -104,3 +104,28 @@ def test_write_policies(bf16_model, tmp_path, policy):
         run_all(eng, [greedy("c", n=4)])                # second hit: backed up
         settle(eng, lambda: len(eng.tiers.host) >= 4)
     assert eng.pool.allocator.num_free == eng.pool.num_pages
+
+
+def test_slow_tier_is_skipped_for_recompute(bf16_model, tmp_path):
+    """When L3 would take longer than recomputing (sglang#26305), the request recomputes."""
+    eng = tiered_engine(bf16_model, tmp_path, assumed_l3_bytes_s=1.0, l3_latency_s=1.0)
+    run_all(eng, [greedy("a", n=4)])
+    settle(eng, lambda: eng.tiers.stats()["l3_written"] >= 4)
+    eng.cache.flush()
+    eng.tiers.host.clear()
+    before = eng.tiers.stats()["prefetch_skipped_slow"]
+    out = run_all(eng, [greedy("b", n=4)])["b"]
+    assert out[3].cached_tokens == 0
+    assert eng.tiers.stats()["prefetch_skipped_slow"] == before + 1   # decided once per request
+
+
+def test_best_effort_prefetch_does_not_block_admission(bf16_model, tmp_path):
+    eng = tiered_engine(bf16_model, tmp_path, prefetch="best_effort")
+    run_all(eng, [greedy("a", n=4)])
+    settle(eng, lambda: eng.tiers.stats()["l3_written"] >= 4)
+    eng.cache.flush()
+    eng.tiers.host.clear()
+    eng.add_request(greedy("b", n=4))
+    eng.step()                                       # admitted at once, whatever has arrived
+    assert eng.num_running() == 1
+    run_all(eng, [])

@@ -1,0 +1,217 @@
+"""Attention backend on the portable Triton paged-KV kernels (GPU; CPU via the interpreter).
+
+Per step, :meth:`TritonAttentionBackend.plan` moves everything the kernels index
+to the device once (slot mapping, the decode and extend block tables and
+lengths, the extend masks) and allocates the extend workspace; every layer's
+:meth:`~TritonAttentionBackend.forward` then launches without a host sync:
+
+* **store**: one :func:`~nibble.kernels.triton.store_kv` launch per layer for all
+  new tokens of the step;
+* **prefill** (no cached prefix): torch SDPA over the fresh K/V, per sequence;
+* **extend**: one :func:`~nibble.kernels.triton.gather_kv` launch per layer
+  dequantizes every extend sequence's prefix into the shared workspace, then
+  torch SDPA over prefix + chunk, per sequence;
+* **decode**: one fused :func:`~nibble.kernels.triton.decode_attention` launch
+  (plus its reduce) per layer for all decode sequences.
+
+Global scales live on the device as one-element fp32 views of a ``[L, 2]``
+tensor, refreshed in ``plan`` only when the pool's ``scale_version`` changes.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from nibble.kernels import PageLayout
+from nibble.kernels.triton import decode_attention, default_num_splits, gather_kv, store_kv
+from nibble.kernels.triton._common import FORMAT_CODES
+from nibble.tiering import KVPool
+
+from ..errors import ConfigError
+from .base import AttentionBackend, AttentionMetadata, register_backend
+from .torch_backend import FP8_MAX
+
+DECODE_HEAD_DIMS = (64, 128, 256)
+
+
+def _interpreting() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``).
+
+    The interpreter is chosen when a kernel is decorated, so the variable must be
+    set before ``nibble.kernels.triton`` is first imported.
+    """
+    return bool(triton.knobs.runtime.interpret)
+
+
+def _dev_ints(values: list[int], device: torch.device, dtype=torch.int32) -> torch.Tensor:
+    """A host list -> 1-D integer tensor on ``device`` (one H2D copy, done in ``plan``)."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
+@register_backend("triton")
+class TritonAttentionBackend(AttentionBackend):
+    """Args:
+        pool: the KV pool (L1); the kernels run on ``pool.device``.
+        sm_scale: softmax scale (usually head_dim ** -0.5).
+        prefill_kv_dtype: "auto" or "fp8_e4m3" (fresh K/V and the extend
+            workspace are cast to FP8 E4M3 first, as in the torch backend).
+
+    Raises:
+        ConfigError: where :meth:`unsupported_reason` finds a reason.
+    """
+
+    def __init__(self, pool: KVPool, sm_scale: float, prefill_kv_dtype: str = "auto"):
+        reason = self.unsupported_reason(pool.layout, pool.device)
+        if reason is not None:
+            raise ConfigError(reason)
+        self.pool = pool
+        self.layout = pool.layout
+        self.device = pool.device
+        self.sm_scale = sm_scale
+        self.fp8_fresh = prefill_kv_dtype == "fp8_e4m3"
+        self._scale_version: int | None = None
+        self._scales: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._compute_dtype: torch.dtype | None = None   # learned from the first q
+        self._ws: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @staticmethod
+    def unsupported_reason(layout: PageLayout, device: torch.device) -> str | None:
+        """Why the kernels cannot serve ``layout`` on ``device``, or None if they can."""
+        if device.type == "cpu" and not _interpreting():
+            return ("the triton attention backend on CPU needs Triton's interpreter: set "
+                    "TRITON_INTERPRET=1 before start-up (it is slow; for tests), or use "
+                    "--attention-backend torch")
+        if device.type not in ("cpu", "cuda"):
+            return f"the triton attention backend does not run on {device.type!r} devices"
+        if layout.fmt.k.name not in FORMAT_CODES or layout.fmt.v.name not in FORMAT_CODES:
+            return f"no Triton kernels for KV format {layout.kv_format!r}"
+        if layout.head_dim not in DECODE_HEAD_DIMS:
+            return (f"the Triton decode kernel supports head_dim {DECODE_HEAD_DIMS}, the model "
+                    f"has {layout.head_dim}")
+        return None
+
+    # ------------------------------------------------------------------ per step
+
+    def plan(self, meta: AttentionMetadata) -> None:
+        """Move this step's indices to the device and allocate the extend workspace.
+
+        Builds: ``_slots`` int64 ``[T]``; for decode ``_dec_bt`` int32 ``[Bd, M]``,
+        ``_dec_lens`` int32 ``[Bd]`` (cached + 1), ``_dec_rows`` int64 ``[Bd]``
+        (their rows in the token stream); for extend ``_ext_bt`` int32 ``[Be, M]``,
+        ``_ext_lens``/``_ext_cu`` int32 ``[Be]`` (prefix lengths, workspace start
+        rows) and one bool mask ``[n, c + n]`` per sequence.
+        """
+        dev = self.device
+        self._refresh_scales()
+        self._slots = meta.slot_mapping.to(dev, non_blocking=True)
+        bt = meta.block_tables
+        self._plan_decode(meta, bt)
+        self._ws = None
+        if meta.extend:
+            lens = [meta.cached_lens[b] for b in meta.extend]
+            starts = [sum(lens[:i]) for i in range(len(lens))]
+            sel = torch.tensor(meta.extend)
+            self._ext_bt = bt.index_select(0, sel.to(bt.device)).contiguous().to(dev)
+            self._ext_lens = _dev_ints(lens, dev)
+            self._ext_cu = _dev_ints(starts, dev)
+            self._ext_starts = starts
+            self._ext_total = sum(lens)
+            self._ext_masks = [
+                torch.ones((meta.new_lens[b], c + meta.new_lens[b]), dtype=torch.bool)
+                .tril(diagonal=c).to(dev, non_blocking=True)
+                for b, c in zip(meta.extend, lens)]
+            if self._compute_dtype is not None:
+                self._ws = self._alloc_workspace(self._compute_dtype)
+
+    def _plan_decode(self, meta: AttentionMetadata, bt: torch.Tensor) -> None:
+        self._dec = bool(meta.decode)
+        if not self._dec:
+            return
+        dev = self.device
+        idx = meta.decode
+        lens = [meta.cached_lens[b] + 1 for b in idx]
+        # Every sequence decodes: the token stream is the decode batch, in order.
+        self._dec_direct = len(idx) == len(meta.seq_starts) and meta.num_tokens == len(idx)
+        self._dec_rows = _dev_ints([meta.seq_starts[b] for b in idx], dev, torch.int64)
+        sel = torch.tensor(idx)
+        self._dec_bt = bt.index_select(0, sel.to(bt.device)).contiguous().to(dev)
+        self._dec_lens = _dev_ints(lens, dev)
+        self._dec_splits = default_num_splits(len(idx), self.layout.num_kv_heads, max(lens), dev)
+
+    def _refresh_scales(self) -> None:
+        """Per-layer (k, v) global scales as one-element fp32 device views."""
+        if self._scale_version == self.pool.scale_version and self._scales:
+            return
+        gs = self.pool.global_scales.to(device=self.device, dtype=torch.float32).contiguous()
+        self._scales = [(gs[i, 0:1], gs[i, 1:2]) for i in range(gs.shape[0])]
+        self._scale_version = self.pool.scale_version
+
+    def _alloc_workspace(self, compute_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's extend workspace ``(k, v)``, each ``[sum(prefix lens), H, D]``."""
+        dtype = torch.float8_e4m3fn if self.fp8_fresh else compute_dtype
+        shape = (self._ext_total, self.layout.num_kv_heads, self.layout.head_dim)
+        return (torch.empty(shape, dtype=dtype, device=self.device),
+                torch.empty(shape, dtype=dtype, device=self.device))
+
+    # ------------------------------------------------------------------ per layer
+
+    def _fresh(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.fp8_fresh:
+            return x
+        return x.float().clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """``q [T, Hq, D]``, ``k``/``v`` ``[T, H, D]`` on the pool's device -> ``[T, Hq, D]``.
+
+        Stores the step's new K/V first, so decode reads its own token from the pages.
+        """
+        pages = self.pool.layer(layer)
+        ks, vs = self._scales[layer]
+        k, v = self._fresh(k), self._fresh(v)
+        store_kv(self.layout, pages, k, v, self._slots, ks, vs)
+        out = torch.empty_like(q)
+        if meta.prefill or meta.extend:
+            k, v = k.to(q.dtype), v.to(q.dtype)
+        for b in meta.prefill:
+            s, n = meta.seq_starts[b], meta.new_lens[b]
+            out[s:s + n] = self._sdpa(q[s:s + n], k[s:s + n], v[s:s + n], causal=True)
+        if meta.extend:
+            self._extend(pages, q, k, v, meta, out, ks, vs)
+        if self._dec:
+            self._decode(pages, q, out, ks, vs)
+        return out
+
+    def _sdpa(self, q, k, v, causal=False, mask=None):
+        """q [Tq, Hq, D], k/v [Tk, H, D] -> [Tq, Hq, D] (GQA by head grouping)."""
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
+            v.transpose(0, 1).unsqueeze(0), attn_mask=mask, is_causal=causal,
+            scale=self.sm_scale, enable_gqa=True)
+        return o.squeeze(0).transpose(0, 1)
+
+    def _extend(self, pages, q, k, v, meta, out, ks, vs) -> None:
+        """Gather every extend prefix in one launch, then attend per sequence."""
+        if self._ws is None or self._compute_dtype != q.dtype:
+            # First step only: the compute dtype was not known at plan time.
+            self._compute_dtype = q.dtype
+            self._ws = self._alloc_workspace(q.dtype)
+        pk, pv = gather_kv(self.layout, pages, self._ext_bt, self._ext_lens, ks, vs,
+                           self._ws[0].dtype, cu_seqlens=self._ext_cu, out=self._ws)
+        for b, start, mask in zip(meta.extend, self._ext_starts, self._ext_masks):
+            s, n, c = meta.seq_starts[b], meta.new_lens[b], meta.cached_lens[b]
+            kk = torch.cat([pk[start:start + c].to(q.dtype), k[s:s + n]])
+            vv = torch.cat([pv[start:start + c].to(q.dtype), v[s:s + n]])
+            out[s:s + n] = self._sdpa(q[s:s + n], kk, vv, mask=mask)
+
+    def _decode(self, pages, q, out, ks, vs) -> None:
+        """One fused paged-decode launch for every decode sequence of the step."""
+        if self._dec_direct:
+            decode_attention(self.layout, pages, q, self._dec_bt, self._dec_lens, self.sm_scale,
+                             ks, vs, out=out, num_splits=self._dec_splits)
+            return
+        qd = q.index_select(0, self._dec_rows)
+        od = decode_attention(self.layout, pages, qd, self._dec_bt, self._dec_lens,
+                              self.sm_scale, ks, vs, num_splits=self._dec_splits)
+        out.index_copy_(0, self._dec_rows, od)

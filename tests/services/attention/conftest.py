@@ -1,0 +1,98 @@
+"""Engines and pools for comparing attention backends on the tiny random models.
+
+The model, tokenizer and scheduler settings come from the engine tests'
+conftest; only the backend (and the device) differ here.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nibble.kernels import PageLayout
+from nibble.services.attention import ATTENTION_BACKENDS
+from nibble.services.config import SchedulerConfig
+from nibble.services.engine.engine import EngineCore
+from nibble.services.engine.model_runner import ModelRunner
+from nibble.services.engine.types import GenerateRequest, SamplingParams
+from nibble.tiering import KVPool
+from nibble.tiering.radix_cache import RadixCache
+
+from ..engine.conftest import CharTokenizer, tiny_arch, tiny_model
+
+__all__ = ["make_engine_with", "mixed_arrivals", "run_scenario", "tiny_arch", "tiny_model"]
+
+
+def make_engine_with(model, backend: str, kv: str = "bf16", device: str = "cpu",
+                     num_pages: int = 64, page_size: int = 16, prefill_kv_dtype: str = "auto",
+                     **sched) -> EngineCore:
+    """A real EngineCore with the named attention backend; pool and runner on ``device``."""
+    a = model.arch
+    layout = PageLayout(kv, a.num_layers, a.num_kv_heads, a.head_dim, page_size)
+    pool = KVPool(layout, num_pages, device)
+    backend_obj = ATTENTION_BACKENDS[backend](pool, a.sm_scale, prefill_kv_dtype)
+    cfg = SchedulerConfig(**{"max_running_requests": 8, "chunked_prefill_size": 512,
+                             "max_prefill_tokens": 2048, **sched})
+    return EngineCore(ModelRunner(model, backend_obj, torch.device(device)), pool,
+                      CharTokenizer(), cfg, a.max_position_embeddings,
+                      RadixCache(page_size, pool))
+
+
+def greedy(rid: str, prompt: list[int], n: int) -> GenerateRequest:
+    return GenerateRequest(rid, list(prompt), SamplingParams(max_tokens=n, temperature=0.0,
+                                                             ignore_eos=True))
+
+
+def prompt(n: int, salt: int = 0) -> list[int]:
+    return [(7 * i + 3 + 11 * salt) % 90 + 1 for i in range(n)]
+
+
+def run_scenario(engine, arrivals: dict[int, list[GenerateRequest]]
+                 ) -> tuple[list[torch.Tensor], dict[str, list[int]], set[str]]:
+    """Step ``engine`` to completion, adding ``arrivals[step]`` before each step.
+
+    Returns the logits ``[N, V]`` of every step that samples (fp32, on CPU),
+    each request's generated tokens, and the attention paths the steps took
+    ("prefill", "extend", "decode", and "mixed" for a step with decode and
+    another path); checks that no page leaks.
+    """
+    seen: list[torch.Tensor] = []
+    paths: set[str] = set()
+    model, backend = engine.runner.model, engine.runner.backend
+    orig = model.compute_logits
+    orig_plan = backend.plan
+
+    def plan(meta):
+        kinds = {k for k in ("prefill", "extend", "decode") if getattr(meta, k)}
+        paths.update(kinds | ({"mixed"} if "decode" in kinds and len(kinds) > 1 else set()))
+        orig_plan(meta)
+
+    def hook(h):
+        out = orig(h)
+        seen.append(out.detach().float().cpu())
+        return out
+
+    model.compute_logits, backend.plan = hook, plan
+    tokens: dict[str, list[int]] = {}
+    step = 0
+    try:
+        while step <= max(arrivals) or engine.has_unfinished():
+            for r in arrivals.get(step, []):
+                engine.add_request(r)
+            for o in engine.step():
+                tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+            step += 1
+    finally:
+        model.compute_logits = orig
+        del backend.plan
+    assert engine.pool.allocator.num_free == engine.pool.num_pages, "pages leaked"
+    return seen, tokens, paths
+
+
+def mixed_arrivals(n_a: int = 21, n_b: int = 40, n_c: int = 21) -> dict[int, list]:
+    """A decodes while B's prompt runs in chunks; C repeats A's prompt (a cached prefix).
+
+    With ``chunked_prefill_size=16`` the steps mix prefill, extend and decode.
+    """
+    return {0: [greedy("a", prompt(n_a), 6)],
+            1: [greedy("b", prompt(n_b, 1), 4)],
+            3: [greedy("c", prompt(n_c), 3)]}
