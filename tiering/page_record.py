@@ -61,16 +61,23 @@ class PageHeader:
                    layout.num_kv_heads, layout.head_dim, scale_version, scales)
 
 
+def _digest(head: bytes, body) -> bytes:
+    h = hashlib.sha256(head)
+    h.update(body)
+    return h.digest()
+
+
 def encode_page(header: PageHeader, payload: torch.Tensor | bytes) -> bytes:
     """Serialize one page. ``payload``: uint8 ``[num_layers, layer_nbytes]`` (or raw bytes)."""
-    body = payload if isinstance(payload, bytes) else payload.contiguous().numpy().tobytes()
+    body = payload if isinstance(payload, bytes) else memoryview(
+        payload.contiguous().numpy()).cast("B")
     head = json.dumps(header.__dict__, separators=(",", ":")).encode()
-    digest = hashlib.sha256(head + body).digest()
-    return _PREFIX.pack(MAGIC, RECORD_VERSION, len(head)) + head + digest + body
+    return b"".join((_PREFIX.pack(MAGIC, RECORD_VERSION, len(head)), head, _digest(head, body),
+                     body))
 
 
-def decode_page(blob: bytes, expect: PageHeader) -> bytes:
-    """Check a record against the pool it is loaded into; return its payload bytes.
+def decode_page(blob: bytes, expect: PageHeader) -> memoryview:
+    """Check a record against the pool it is loaded into; return its payload (a view of ``blob``).
 
     Raises PageRecordError on a bad magic, checksum, or any header field that
     differs from ``expect`` (other format, geometry, or global-scale version).
@@ -80,10 +87,11 @@ def decode_page(blob: bytes, expect: PageHeader) -> bytes:
     magic, version, head_len = _PREFIX.unpack_from(blob)
     if magic != MAGIC or version != RECORD_VERSION:
         raise PageRecordError(f"not a page record (magic {magic!r}, version {version})")
+    view = memoryview(blob)
     start = _PREFIX.size
-    head, digest = blob[start:start + head_len], blob[start + head_len:start + head_len + 32]
-    body = blob[start + head_len + 32:]
-    if hashlib.sha256(head + body).digest() != digest:
+    head = bytes(view[start:start + head_len])
+    digest, body = view[start + head_len:start + head_len + 32], view[start + head_len + 32:]
+    if _digest(head, body) != digest:
         raise PageRecordError("page record checksum mismatch")
     try:
         got = json.loads(head)

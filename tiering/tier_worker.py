@@ -13,6 +13,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from .host_pool import HostPool
@@ -145,8 +146,8 @@ class TierWorker:
                     return
                 slot = self.host.reserve(key)
                 if slot is not None:
-                    self.host.data[slot].view(-1).copy_(torch.frombuffer(bytearray(payload),
-                                                                         dtype=torch.uint8))
+                    # One copy, straight from the record into the pinned slot.
+                    self.host.data[slot].view(-1).numpy()[:] = np.frombuffer(payload, np.uint8)
                     self.host.commit(key)
                     self._emit("stored", "l2", [key])
                 pf.loaded.add(key)

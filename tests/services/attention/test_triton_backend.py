@@ -21,9 +21,10 @@ from nibble.tiering import KVPool
 from .conftest import make_engine_with, mixed_arrivals, run_scenario, tiny_arch, tiny_model
 
 FORMATS = ("bf16", "fp8_e4m3", "nvfp4")
-# Largest |logit| difference allowed through the whole model (logits are O(1));
-# a wrong mask, scale or page index moves them by more than 0.1.
-LOGIT_TOL = {"bf16": 2e-4, "fp8_e4m3": 2e-3, "nvfp4": 2e-3}
+# Largest |logit| difference allowed through the whole model (logits are O(1);
+# 2e-6 was seen for every format). The quantized formats get room for a rounding
+# flip in layer 1's stored K/V; a wrong mask, scale or page moves logits by > 0.01.
+LOGIT_TOL = {"bf16": 2e-5, "fp8_e4m3": 1e-4, "nvfp4": 1e-4}
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +45,6 @@ def test_engine_logits_match_torch_backend(model64, kv):
     assert got_tok == ref_tok
     assert len(got) == len(ref) >= 5
     worst = max(float((g - r).abs().max()) for g, r in zip(got, ref))
-    print(kv, worst)
     assert worst <= LOGIT_TOL[kv], f"{kv}: logits differ by {worst:.2e}"
 
 
@@ -138,7 +138,7 @@ def test_one_launch_per_layer_and_one_shared_workspace(monkeypatch):
 
 def test_all_decode_step_writes_output_in_place(monkeypatch):
     """A pure decode batch hands the kernel the whole q and the output (no row gather)."""
-    _, pool, _ = _pools("bf16")
+    _, pool, _ = _pools("nvfp4")              # global scales != 1: K and V differ
     tables = torch.tensor([[3, 4], [5, 0]], dtype=torch.int32)
     meta = AttentionMetadata([0, 1], [1, 1], [20, 9],
                              torch.tensor([4 * 16 + 4, 5 * 16 + 9]), tables)
