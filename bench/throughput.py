@@ -69,7 +69,7 @@ def run_hf(streams: int, output_len: int) -> dict:
     path = pathlib.Path(default_model_path())
     tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                 torch_dtype=torch.float32).eval()
+                                                 dtype=torch.float32).eval()
     tok.padding_side = "left"
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token

@@ -84,7 +84,11 @@ async def run_serve(cfg: NibbleConfig) -> int:
     from .engine.async_engine import build_engine   # heavy (torch, model code): import late
     from .gateway import create_app
 
-    engine = build_engine(cfg)
+    if cfg.disagg.disaggregate:
+        from .disagg.client import DisaggEngine
+        engine = await DisaggEngine.start(cfg)
+    else:
+        engine = build_engine(cfg)
     try:
         server = _make_server(create_app(engine, cfg.server), cfg)
         remove_handlers = _install_signal_handlers(server)

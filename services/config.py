@@ -59,6 +59,18 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class DisaggConfig:
+    disaggregate: bool = False             # prefill and decode on separate Ray actors
+    prefill_workers: int = 1
+    decode_workers: int = 1
+    ray_address: str | None = None         # join a cluster; None starts a local one
+    kv_transport: str = "grpc"             # nixl | grpc
+    kv_transfer_failure_policy: str = "recompute"  # recompute | fail
+    kv_transfer_timeout: float = 30.0      # seconds from reservation to installed pages
+    kv_lease: float = 5.0                  # decode-side reservation lease, renewed by heartbeats
+
+
+@dataclass(frozen=True)
 class DeviceConfig:
     device: str = "auto"                   # auto|cpu|cuda
     attention_backend: str = "auto"        # auto|torch|triton
@@ -80,6 +92,7 @@ class NibbleConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     hicache: HiCacheConfig = field(default_factory=HiCacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    disagg: DisaggConfig = field(default_factory=DisaggConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
 
@@ -123,6 +136,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--schedule-policy", default=d.scheduler.schedule_policy, choices=["fcfs", "lpm"])
     g.add_argument("--schedule-conservativeness", type=float,
                    default=d.scheduler.schedule_conservativeness)
+    dd = DisaggConfig()
+    g = p.add_argument_group("disaggregated serving (Ray)")
+    g.add_argument("--disaggregate", action="store_true")
+    g.add_argument("--prefill-workers", type=int, default=dd.prefill_workers)
+    g.add_argument("--decode-workers", type=int, default=dd.decode_workers)
+    g.add_argument("--ray-address", default=None)
+    g.add_argument("--kv-transport", default=dd.kv_transport, choices=["nixl", "grpc"])
+    g.add_argument("--kv-transfer-failure-policy", default=dd.kv_transfer_failure_policy,
+                   choices=["recompute", "fail"])
+    g.add_argument("--kv-transfer-timeout", type=float, default=dd.kv_transfer_timeout)
     g = p.add_argument_group("device")
     g.add_argument("--device", default=d.device.device, choices=["auto", "cpu", "cuda"])
     g.add_argument("--attention-backend", default=d.device.attention_backend,
@@ -158,6 +181,11 @@ def config_from_args(ns: argparse.Namespace) -> NibbleConfig:
         scheduler=SchedulerConfig(ns.max_running_requests, ns.chunked_prefill_size,
                                   ns.max_prefill_tokens, ns.max_queued_requests,
                                   ns.schedule_policy, ns.schedule_conservativeness),
+        disagg=DisaggConfig(get("disaggregate", False), get("prefill_workers", 1),
+                            get("decode_workers", 1), get("ray_address"),
+                            get("kv_transport", "grpc"),
+                            get("kv_transfer_failure_policy", "recompute"),
+                            get("kv_transfer_timeout", 30.0)),
         device=DeviceConfig(ns.device, ns.attention_backend),
         server=ServerConfig(get("host", "127.0.0.1"), get("port", DEFAULT_PORT),
                             get("log_level", "info"), tuple(get("api_keys") or ()),
@@ -183,6 +211,11 @@ def validate(cfg: NibbleConfig) -> None:
         raise ConfigError("--max-queued-requests must be >= 0")
     if s.schedule_conservativeness < 0:
         raise ConfigError("--schedule-conservativeness must be >= 0")
+    d = cfg.disagg
+    if d.disaggregate and (d.prefill_workers < 1 or d.decode_workers < 1):
+        raise ConfigError("--prefill-workers and --decode-workers must be >= 1")
+    if d.disaggregate and c.disable_radix_cache:
+        raise ConfigError("--disaggregate needs the radix cache (drop --disable-radix-cache)")
     h = cfg.hicache
     if h.enable_hierarchical_cache and c.disable_radix_cache:
         raise ConfigError("--enable-hierarchical-cache needs the radix cache "

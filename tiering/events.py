@@ -1,8 +1,9 @@
 """KV events: what entered or left each tier, for a cache-aware router to mirror.
 
-Each event is ``(seq, kind, tier, namespace_digest, keys)`` where ``kind`` is
-"stored" or "removed", ``tier`` is "l1" | "l2" | "l3" and ``keys`` are the
-pages' content keys (hex). Events sit in a bounded ring; readers poll with the
+Each event is ``(seq, kind, tier, keys)`` where ``kind`` is "stored" or
+"removed", ``tier`` is "l1" | "l2" | "l3" and ``keys`` are the pages' content
+keys (hex; the namespace is part of every key). L3 evictions are not reported,
+so a mirror of L3 is approximate. Events sit in a bounded ring; readers poll with the
 last sequence number they saw and learn when they fell behind.
 """
 

@@ -45,6 +45,11 @@ class HostPool:
         with self.lock:
             return len(self._lru)
 
+    def keys(self) -> list[bytes]:
+        """Keys whose bytes are complete, oldest first."""
+        with self.lock:
+            return [k for k in self._lru if k not in self._pending]
+
     def slot(self, key: bytes, touch: bool = True) -> int | None:
         with self.lock:
             s = None if key in self._pending else self._lru.get(key)

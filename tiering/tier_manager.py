@@ -264,6 +264,7 @@ class TierManager:
         self._l1_key.clear()
         self._hits.clear()
         if self.host is not None:
+            self.events.emit("removed", "l2", self.host.keys())
             self.host.clear()
 
     def stats(self) -> dict:

@@ -45,7 +45,8 @@ class AsyncEngine:
     async def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
         """Submit ``req`` and yield its updates until it finishes.
 
-        Raises InvalidRequestError before yielding if the request can never run.
+        Raises InvalidRequestError before yielding if the request can never run,
+        QueueFullError when --max-queued-requests is reached.
         Closing the generator early (client gone) aborts the request.
         """
         if self._dead:
@@ -57,11 +58,21 @@ class AsyncEngine:
         if limit is not None and queued >= limit:
             raise QueueFullError(f"the request queue is full ({queued} waiting, "
                                  f"--max-queued-requests {limit}); retry later")
+        async for out in self._stream(req.request_id, ("add", req)):
+            yield out
+
+    async def generate_prefilled(self, req: GenerateRequest, first_token: int
+                                 ) -> AsyncIterator[RequestOutput]:
+        """Continue a request whose prompt pages a prefill worker wrote into our reservation."""
+        async for out in self._stream(req.request_id, ("install", (req, first_token))):
+            yield out
+
+    async def _stream(self, request_id: str, action: tuple) -> AsyncIterator[RequestOutput]:
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         with self._lock:
-            self._queues[req.request_id] = (loop, q)
-        self._inbox.put(("add", req))
+            self._queues[request_id] = (loop, q)
+        self._inbox.put(action)
         finished = False
         try:
             while True:
@@ -72,9 +83,15 @@ class AsyncEngine:
                     return
         finally:
             if not finished:
-                self.abort(req.request_id)
+                self.abort(request_id)
             with self._lock:
-                self._queues.pop(req.request_id, None)
+                self._queues.pop(request_id, None)
+
+    async def call(self, fn, *args):
+        """Run ``fn(*args)`` on the engine thread (engine state is single-threaded)."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(("call", (lambda: fn(*args), done)))
+        return await asyncio.wrap_future(done)
 
     def abort(self, request_id: str) -> None:
         """Abort a request from any thread; its stream ends with finish_reason ABORT."""
@@ -148,6 +165,13 @@ class AsyncEngine:
             except NibbleError as e:
                 self._deliver(RequestOutput(payload.request_id, [], "", True, FinishReason.ABORT,
                                             self._zero_usage(payload), error=str(e)))
+        elif kind == "install":
+            req, first = payload
+            try:
+                self._deliver(self.core.handoff.install(req, first))
+            except NibbleError as e:
+                self._deliver(RequestOutput(req.request_id, [], "", True, FinishReason.ABORT,
+                                            self._zero_usage(req), error=str(e)))
         elif kind == "abort":
             out = self.core.abort(payload)
             if out is not None:
@@ -183,6 +207,7 @@ class AsyncEngine:
     def _loop(self) -> None:
         while not self._stopping.is_set():
             self._drain(block=not self.core.has_unfinished())
+            self.core.handoff.expire()
             if not self.core.has_unfinished():
                 continue
             try:

@@ -18,6 +18,7 @@ from nibble.tiering.tier_manager import TierManager
 from ..config import SchedulerConfig
 from ..errors import ContextLengthExceededError, InvalidRequestError
 from .detokenizer import IncrementalDetokenizer
+from .handoff import Handoff
 from .model_runner import ModelRunner
 from .scheduler import Scheduler
 from .sequence import Sequence
@@ -61,6 +62,8 @@ class EngineCore:
         self.eos = frozenset(tokenizer.eos_token_ids)
         self._seqs: dict[str, Sequence] = {}
         self._streams: dict[str, _Stream] = {}
+        self.held: dict[str, tuple[list, int]] = {}   # prefill side: rid -> (pages, tokens)
+        self.handoff = Handoff(self)
 
     @property
     def max_request_tokens(self) -> int:
@@ -88,6 +91,10 @@ class EngineCore:
 
     def add_request(self, req: GenerateRequest) -> None:
         self.validate(req)
+        self.register(req)
+
+    def register(self, req: GenerateRequest) -> None:
+        """Create the request's sequence and text state and queue it."""
         seq = Sequence(req, list(req.prompt_token_ids), len(req.prompt_token_ids))
         self._seqs[req.request_id] = seq
         self._streams[req.request_id] = _Stream(
@@ -100,6 +107,14 @@ class EngineCore:
 
     def num_running(self) -> int:
         return len(self.scheduler.running)
+
+    def release_held(self, request_id: str) -> bool:
+        """Drop the pages a finished ``hold_pages`` request kept (they stay cached)."""
+        pages, _ = self.held.pop(request_id, (None, 0))
+        if pages is None:
+            return False
+        self.pool.free(list(reversed(pages)))
+        return True
 
     def flush_cache(self) -> bool:
         """Clear the prefix cache; False (nothing changed) while requests run or wait."""
@@ -146,6 +161,11 @@ class EngineCore:
         return outs
 
     def _finish(self, seq: Sequence, text: str) -> RequestOutput:
+        if seq.request.hold_pages and seq.finish_reason is not FinishReason.ABORT:
+            # Prefill worker: keep the pages (cached and referenced) until they are sent.
+            self.scheduler.cache_computed(seq)
+            self.held[seq.request_id] = (list(seq.pages), seq.num_computed)
+            seq.pages = []
         self.scheduler.remove(seq)
         self.runner.release(seq.request_id)
         del self._seqs[seq.request_id]

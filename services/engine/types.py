@@ -45,6 +45,7 @@ class GenerateRequest:
     sampling: SamplingParams
     arrival_time: float = field(default_factory=time.monotonic)
     cache_salt: str | None = None          # tenant namespace for prefix reuse
+    hold_pages: bool = False               # prefill worker: keep the pages after finishing
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,14 @@
 from .base import (DEFAULT_MAX_VALUE_BYTES, BackendHealth, StorageArgumentError, StorageBackend,
                    create_storage_backend, register_storage_backend, storage_backend_names)
 from .file_backend import FileStorage
-from .redis_backend import RedisStorage
+
+try:
+    from .redis_backend import RedisStorage
+except ImportError as e:  # redis-py absent (a bare GPU image): only "redis" is unavailable
+    RedisStorage = None  # type: ignore[assignment,misc]
+    REDIS_IMPORT_ERROR: ImportError | None = e
+else:
+    REDIS_IMPORT_ERROR = None
 
 __all__ = ["DEFAULT_MAX_VALUE_BYTES", "BackendHealth", "StorageArgumentError", "StorageBackend",
            "create_storage_backend", "register_storage_backend", "storage_backend_names",

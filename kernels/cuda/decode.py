@@ -1,0 +1,188 @@
+"""NVFP4 paged decode attention in CUDA C++ for Hopper (sm_90a), built on first use.
+
+The kernel (see :mod:`._sources`) dequantizes E2M1 codes in registers and runs
+``mma.sync`` fp16 MMAs; a small reduce kernel combines the splits. Nothing is
+compiled at import: :func:`decode_attention_nvfp4_cuda` checks its arguments
+first and builds the extension (``torch.utils.cpp_extension.load_inline``,
+about a minute) on its first valid call.
+
+The launch reads every length on the device and its grid depends only on
+host-known shapes, so it is CUDA-graph safe.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import inspect
+import os
+
+import torch
+
+from ..errors import KernelInputError
+from ..layout import LayerPages, PageLayout
+from ..triton._common import check_block_tables, check_pages, scale_tensor
+from ._sources import CPP_SRC, CUDA_SRC
+
+LOG2E = 1.4426950408889634
+HEAD_DIM = 128
+WARPS_PER_CTA = 4
+MAX_GROUP = 8
+MIN_TILES_PER_WARP = 4
+# variant = 100 * pipe + 10 * dequant + register cap. pipe: cp.async shared-memory stages
+# per warp (0: next tile prefetched into registers); dequant 0: byte-permute bit placement,
+# 1: E4M3 bytes widened by cvt; cap (CTAs per SM): 4 -> 128 registers, 3 -> 168, 5 -> 96.
+VARIANTS = (4, 3, 14, 404, 405, 304, 414, 415)
+DEFAULT_VARIANT = 4
+_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_SOURCE_TAG = hashlib.sha1((CUDA_SRC + CPP_SRC).encode()).hexdigest()[:10]
+
+
+def is_built() -> bool:
+    """Whether the extension has been compiled and loaded in this process."""
+    return _module.cache_info().currsize > 0
+
+
+@functools.lru_cache(maxsize=1)
+def _module():
+    """Compile (or load from torch's extension cache) the CUDA extension."""
+    from torch.utils.cpp_extension import load_inline
+    kwargs = dict(
+        name=f"nibble_nvfp4_decode_{_SOURCE_TAG}", cpp_sources=[CPP_SRC],
+        cuda_sources=[CUDA_SRC], functions=["decode", "occupancy"],
+        extra_cflags=["-O2"],
+        extra_cuda_cflags=["-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a"],
+        verbose=os.environ.get("NIBBLE_CUDA_VERBOSE") == "1")
+    if "no_implicit_headers" in inspect.signature(load_inline).parameters:
+        kwargs["no_implicit_headers"] = True  # our .cu includes no torch header: faster build
+    return load_inline(**kwargs)
+
+
+@functools.lru_cache(maxsize=None)
+def _resident_ctas(device_index: int, variant: int) -> int:
+    """CTAs of ``variant`` that fit on the whole device at once."""
+    sms = torch.cuda.get_device_properties(device_index).multi_processor_count
+    return max(1, int(_module().occupancy(variant))) * sms
+
+
+def default_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, device: torch.device,
+                       variant: int = DEFAULT_VARIANT, waves: int = 1) -> int:
+    """CTAs per (sequence, KV head): about ``waves`` full waves of resident CTAs.
+
+    Depends only on host-known shapes (never on ``seq_lens``' values), so one
+    batch-size bucket keeps one grid under CUDA graphs. Builds the extension.
+    """
+    pairs = max(batch * num_kv_heads, 1)
+    want = max(1, waves * _resident_ctas(device.index or 0, variant) // pairs)
+    tiles = -(-max(max_seq_len, 1) // 16)
+    cap = max(1, -(-tiles // (WARPS_PER_CTA * MIN_TILES_PER_WARP)))
+    return min(want, cap)
+
+
+def _check_layout(layout: PageLayout) -> None:
+    fmt = layout.fmt
+    if fmt.k.name != "nvfp4" or fmt.v.name != "nvfp4":
+        raise KernelInputError(f"the CUDA decode kernel needs NVFP4 K and V, got "
+                               f"{layout.kv_format!r}")
+    if layout.head_dim != HEAD_DIM:
+        raise KernelInputError(f"the CUDA decode kernel supports head_dim {HEAD_DIM}, got "
+                               f"{layout.head_dim}")
+    tpp = layout.page_size // 16
+    if layout.page_size % 16 or tpp & (tpp - 1):
+        raise KernelInputError(f"page_size must be 16 times a power of two, got "
+                               f"{layout.page_size}")
+
+
+def _check_q_out(layout: PageLayout, q: torch.Tensor, out: torch.Tensor | None) -> None:
+    h = layout.num_kv_heads
+    if q.dim() != 3 or q.shape[2] != HEAD_DIM or q.shape[1] % h:
+        raise KernelInputError(f"q must be [B, Hq, {HEAD_DIM}] with Hq a multiple of {h}, got "
+                               f"{tuple(q.shape)}")
+    if not 1 <= q.shape[1] // h <= MAX_GROUP:
+        raise KernelInputError(f"at most {MAX_GROUP} query heads per KV head, got "
+                               f"{q.shape[1] // h}")
+    if q.dtype not in _FLOAT_DTYPES or q.stride(2) != 1:
+        raise KernelInputError(f"q must be bf16/fp16/fp32 with unit inner stride, got {q.dtype} "
+                               f"strides {q.stride()}")
+    if q.device.type != "cuda":
+        raise KernelInputError(f"q must be on a CUDA device, got {q.device}")
+    if out is not None and (out.shape != q.shape or out.dtype not in _FLOAT_DTYPES
+                            or out.device != q.device or out.stride(2) != 1):
+        raise KernelInputError(f"out must be a float tensor {tuple(q.shape)} on {q.device} "
+                               f"with unit inner stride, got {out.dtype} {tuple(out.shape)}")
+
+
+def _check_pool_views(pages: LayerPages) -> int:
+    """All four views must come from one pool (one page stride); returns that stride."""
+    views = (pages.k_data, pages.v_data, pages.k_scale, pages.v_scale)
+    stride = pages.k_data.stride(0)
+    if any(v.stride(0) != stride for v in views):
+        raise KernelInputError("K/V code and scale views must share one page stride "
+                               "(use PageLayout.layer_view)")
+    base = pages.k_data.data_ptr()
+    if base % 16 or stride % 16:
+        raise KernelInputError("K codes must be 16-byte aligned with a 16-byte page stride")
+    if any(not 0 <= v.data_ptr() - base < max(stride, 1) for v in views[1:]):
+        raise KernelInputError("V codes and the scales must follow the K codes inside each page")
+    return stride
+
+
+def decode_attention_nvfp4_cuda(layout: PageLayout, pages: LayerPages, q: torch.Tensor,
+                                block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                                sm_scale: float, k_scale: float | torch.Tensor = 1.0,
+                                v_scale: float | torch.Tensor = 1.0, *,
+                                out: torch.Tensor | None = None, num_splits: int | None = None,
+                                max_seq_len: int | None = None,
+                                variant: int = DEFAULT_VARIANT) -> torch.Tensor:
+    """Paged GQA decode over NVFP4 pages: ``q[b]`` attends over ``seq_lens[b]`` cached tokens.
+
+    Args:
+        layout: an ``nvfp4`` :class:`PageLayout` with head_dim 128 and page_size 16 * 2^k.
+        pages: one layer's views from ``layout.layer_view(pool, layer)`` on a CUDA device.
+        q: ``[B, Hq, 128]`` bf16/fp16/fp32 (unit inner stride), ``Hq = G * H`` with
+            ``1 <= G <= 8``. Values must fit fp16 (the MMA operands are fp16).
+        block_tables: int32 ``[B, M]``; seq_lens: int32/int64 ``[B]``, each in
+            ``[1, M * S]`` (not checked: that would need a host sync).
+        sm_scale: softmax scale; k_scale, v_scale: global scales (float or one-element
+            fp32 device tensor).
+        out: optional ``[B, Hq, 128]`` bf16/fp16/fp32 output; default ``q.dtype``.
+        num_splits: CTAs (of 4 warps) per (sequence, KV head); default
+            :func:`default_num_splits` from ``max_seq_len`` (default ``M * S``).
+        variant: kernel variant from :data:`VARIANTS`.
+    Returns:
+        ``out``.
+    Raises:
+        KernelInputError: a bad shape, dtype, stride, device or option, or a device
+            that is not compute capability 9.0.
+    """
+    _check_layout(layout)
+    _check_q_out(layout, q, out)
+    device = q.device
+    check_block_tables(block_tables, seq_lens, device)
+    check_pages(layout, pages, device)
+    page_stride = _check_pool_views(pages)
+    if block_tables.shape[0] != q.shape[0]:
+        raise KernelInputError(f"block_tables has {block_tables.shape[0]} rows, q {q.shape[0]}")
+    if variant not in VARIANTS:
+        raise KernelInputError(f"variant must be one of {VARIANTS}, got {variant}")
+    if num_splits is not None and num_splits < 1:
+        raise KernelInputError(f"num_splits must be >= 1, got {num_splits}")
+    if torch.cuda.get_device_capability(device) != (9, 0):
+        raise KernelInputError("the CUDA NVFP4 decode kernel is built for sm_90a (Hopper)")
+    kgs = scale_tensor(k_scale, device, "k_scale")
+    vgs = scale_tensor(v_scale, device, "v_scale")
+    out = torch.empty_like(q) if out is None else out
+    nb, hq, d = q.shape
+    if nb == 0:
+        return out
+    h = layout.num_kv_heads
+    if max_seq_len is None:
+        max_seq_len = block_tables.shape[1] * layout.page_size
+    nsplit = num_splits or default_num_splits(nb, h, max_seq_len, device, variant)
+    part_o = torch.empty((nb, hq, nsplit, d), dtype=torch.float32, device=device)
+    part_ml = torch.empty((nb, hq, nsplit, 2), dtype=torch.float32, device=device)
+    tpp_log2 = (layout.page_size // 16).bit_length() - 1
+    _module().decode(q, block_tables, seq_lens, pages.k_data, pages.v_data, pages.k_scale,
+                     pages.v_scale, page_stride, layout.page_size, tpp_log2, hq // h, kgs, vgs,
+                     sm_scale * LOG2E * 128.0, part_o, part_ml, out, nsplit, variant)
+    return out

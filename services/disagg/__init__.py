@@ -1,0 +1,1 @@
+"""Disaggregated serving: prefill and decode workers on Ray, page transfer, routing."""

@@ -1,0 +1,137 @@
+"""The gateway's engine in disaggregated mode: Ray actors behind the AsyncEngine interface.
+
+``DisaggEngine.start(cfg)`` starts (or joins) a Ray cluster, creates named
+actors ``nibble-prefill-<i>``, ``nibble-decode-<i>`` and ``nibble-router``,
+and then serves the same methods the gateway calls on a colocated engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+from typing import AsyncIterator
+
+import torch
+
+from ..config import NibbleConfig
+from ..engine.async_engine import redacted_config
+from ..engine.types import GenerateRequest, RequestOutput
+from ..errors import EngineDeadError, InvalidRequestError
+
+log = logging.getLogger(__name__)
+STATS_TIMEOUT_S = 5.0
+
+
+def _init_ray(cfg: NibbleConfig, secret: str) -> bool:
+    """Connect to --ray-address or start a local cluster on loopback; True if we started it."""
+    import ray
+
+    env = {"env_vars": {"NIBBLE_KV_SECRET": secret}}
+    if ray.is_initialized():
+        return False
+    if cfg.disagg.ray_address:
+        ray.init(address=cfg.disagg.ray_address, runtime_env=env, log_to_driver=True)
+        return False
+    ray.init(_node_ip_address="127.0.0.1", dashboard_host="127.0.0.1", include_dashboard=True,
+             runtime_env=env, num_cpus=max(2, os.cpu_count() or 2), log_to_driver=True)
+    return True
+
+
+class DisaggEngine:
+    def __init__(self, cfg: NibbleConfig, router, workers: dict[str, object], meta: dict,
+                 tokenizer, started_ray: bool):
+        self.cfg, self.router, self.workers = cfg, router, workers
+        self.model_name = cfg.model.served_model_name or meta["model_name"]
+        self.context_length = meta["context_length"]
+        self.tokenizer = tokenizer
+        self._started_ray = started_ray
+        self._healthy = True
+
+    @classmethod
+    async def start(cls, cfg: NibbleConfig) -> "DisaggEngine":
+        import ray
+
+        from ..models.loader import load_model
+        from .orchestrator import make_orchestrator_class
+        from .worker import make_worker_class
+
+        secret = os.environ.get("NIBBLE_KV_SECRET") or secrets.token_hex(32)
+        os.environ["NIBBLE_KV_SECRET"] = secret
+        started = await asyncio.to_thread(_init_ray, cfg, secret)
+        cuda = torch.cuda.is_available() and cfg.device.device != "cpu"
+        roles = {f"nibble-prefill-{i}": "prefill" for i in range(cfg.disagg.prefill_workers)}
+        roles |= {f"nibble-decode-{i}": "decode" for i in range(cfg.disagg.decode_workers)}
+        workers = {}
+        for name, role in roles.items():
+            actor_cls = make_worker_class(role, num_gpus=1 if cuda else 0, num_cpus=0.5)
+            workers[name] = actor_cls.options(name=name, get_if_exists=True).remote(cfg, role, name)
+        await asyncio.gather(*(w.info.remote() for w in workers.values()))
+        router = make_orchestrator_class().options(name="nibble-router", get_if_exists=True).remote(
+            cfg, roles)
+        meta = await router.start.remote()
+        loaded = await asyncio.to_thread(load_model, cfg.model.model_path, torch.float32,
+                                         torch.device("cpu"))
+        log.info("disaggregated: %d prefill + %d decode workers over %s; Ray dashboard at %s",
+                 cfg.disagg.prefill_workers, cfg.disagg.decode_workers, cfg.disagg.kv_transport,
+                 ray.get_runtime_context().gcs_address if not started else "http://127.0.0.1:8265")
+        return cls(cfg, router, workers, meta, loaded.tokenizer, started)
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        if not req.prompt_token_ids:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        gen = self.router.generate.options(num_returns="streaming").remote(req)
+        finished = False
+        try:
+            async for ref in gen:
+                out: RequestOutput = await ref
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                self.abort(req.request_id)
+
+    def abort(self, request_id: str) -> None:
+        self.router.abort.remote(request_id)
+
+    def abort_all(self) -> int:
+        import ray
+        return int(ray.get(self.router.abort_all.remote(), timeout=STATS_TIMEOUT_S))
+
+    def flush_cache(self) -> bool:
+        import ray
+        return bool(ray.get(self.router.flush_cache.remote(), timeout=30))
+
+    def stats(self) -> dict:
+        import ray
+        try:
+            s = ray.get(self.router.stats.remote(), timeout=STATS_TIMEOUT_S)
+        except Exception as e:  # noqa: BLE001 - reported as unhealthy, never raised to a scrape
+            self._healthy = False
+            raise EngineDeadError(f"router unreachable: {e}") from e
+        self._healthy = True
+        return s
+
+    def server_info(self) -> dict:
+        import ray
+        info = ray.get(self.router.info.remote(), timeout=STATS_TIMEOUT_S)
+        return {"model": self.model_name, "context_length": self.context_length,
+                "config": redacted_config(self.cfg), "disaggregated": True, **info}
+
+    def kv_events(self, since: int = 0, limit: int = 1000) -> dict:
+        import ray
+        names = list(self.workers)
+        got = ray.get([self.workers[n].kv_events.remote(since) for n in names],
+                      timeout=STATS_TIMEOUT_S)
+        return {"workers": dict(zip(names, got))}
+
+    def is_healthy(self) -> bool:
+        return self._healthy
+
+    async def shutdown(self) -> None:
+        import ray
+        for actor in [self.router, *self.workers.values()]:
+            ray.kill(actor, no_restart=True)
+        if self._started_ray:
+            await asyncio.to_thread(ray.shutdown)

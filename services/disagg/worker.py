@@ -1,0 +1,164 @@
+"""A Nibble engine inside a Ray actor: one class, two roles (prefill, decode).
+
+The actor owns an ``AsyncEngine`` (engine thread + KV pool) and a KV transport
+attached to that pool. Decode role: ``reserve`` pages under a lease, ``decode``
+(verify the received pages, install, stream tokens), ``generate`` (plain
+colocated generation: skipped prefill or recompute). Prefill role: ``prefill``
+(compute the prompt, write its pages into the decode worker's reservation,
+return the first token and the page-set checksum).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import time
+
+from nibble.tiering.transfer import (TransferTicket, create_transport, page_set_checksum,
+                                     sign_ticket, verify_ticket)
+
+from ..config import NibbleConfig
+from ..engine.async_engine import AsyncEngine
+from ..engine.builder import build_parts
+from ..engine.types import GenerateRequest, RequestOutput
+from .transfer_state import TransferError
+
+log = logging.getLogger(__name__)
+
+
+def transfer_secret() -> bytes:
+    """The deployment's shared HMAC secret (set by ``nibble serve`` for every actor)."""
+    secret = os.environ.get("NIBBLE_KV_SECRET")
+    if not secret:
+        raise TransferError("NIBBLE_KV_SECRET is not set for this worker")
+    return secret.encode()
+
+
+class EngineWorker:
+    """Plain class; ``make_worker_class`` wraps it with ``ray.remote``."""
+
+    def __init__(self, cfg: NibbleConfig, role: str, worker_id: str):
+        logging.basicConfig(level=cfg.server.log_level.upper())
+        self.cfg, self.role, self.worker_id = cfg, role, worker_id
+        self.engine = AsyncEngine(build_parts(cfg), cfg)
+        self.pool = self.engine.core.pool
+        self.transport = create_transport(cfg.disagg.kv_transport)
+        self.transport.attach(self.pool.pages)
+        self.secret = transfer_secret()
+        self.incarnation = os.urandom(8).hex()    # changes when Ray restarts the actor
+        log.info("%s worker %s ready (%s transport)", role, worker_id, cfg.disagg.kv_transport)
+
+    # ---- identity and state ----
+    async def info(self) -> dict:
+        lay = self.pool.layout
+        return {"worker_id": self.worker_id, "role": self.role, "pid": os.getpid(),
+                "endpoint": self.transport.endpoint(), "fingerprint": self.engine.parts.fingerprint,
+                "layout": dataclasses.asdict(lay), "context_length": self.engine.context_length,
+                "model_name": self.engine.model_name}
+
+    async def stats(self) -> dict:
+        s = self.engine.stats()
+        s["free_pages"] = self.pool.allocator.num_free
+        s["total_pages"] = self.pool.num_pages
+        s["reservations"] = len(self.engine.core.handoff.reservations)
+        s["held"] = len(self.engine.core.held)
+        s["incarnation"] = self.incarnation
+        return s
+
+    async def kv_events(self, since: int) -> dict:
+        return self.engine.kv_events(since)
+
+    async def flush_cache(self) -> bool:
+        return await asyncio.to_thread(self.engine.flush_cache)
+
+    async def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+        await self.engine.call(self.engine.core.handoff.cancel, request_id)
+        await self.engine.call(self.engine.core.release_held, request_id)
+
+    async def abort_all(self) -> int:
+        return self.engine.abort_all()
+
+    # ---- decode role ----
+    async def reserve(self, req: GenerateRequest, lease_s: float, deadline_s: float) -> dict:
+        """Reserve pages for ``req``'s prompt; returns a signed ticket for the prefill worker."""
+        res = await self.engine.call(self.engine.core.handoff.reserve, req, lease_s)
+        ticket = TransferTicket(request_id=req.request_id, ticket_id=os.urandom(8).hex(),
+                                dst_pages=list(res.new_pages), page_nbytes=self.pool.layout.page_nbytes,
+                                deadline=time.time() + deadline_s)
+        return {"ticket": sign_ticket(ticket, self.secret, self.transport.endpoint_id()),
+                "prefix_pages": len(res.prefix_pages), "endpoint": self.transport.endpoint()}
+
+    async def extend_lease(self, request_id: str, lease_s: float) -> bool:
+        return await self.engine.call(self.engine.core.handoff.extend, request_id, lease_s)
+
+    async def cancel(self, request_id: str) -> bool:
+        return await self.engine.call(self.engine.core.handoff.cancel, request_id)
+
+    async def decode(self, req: GenerateRequest, ticket: TransferTicket, first_token: int,
+                     checksum: str):
+        """Verify the pages the prefill worker wrote, then stream the rest of the request."""
+        if not verify_ticket(ticket, self.secret, self.transport.endpoint_id()):
+            await self.cancel(req.request_id)
+            raise TransferError(f"{req.request_id}: ticket signature does not verify")
+        got = page_set_checksum(self.pool.pages, ticket.dst_pages)
+        if got != checksum:
+            await self.cancel(req.request_id)
+            raise TransferError(f"{req.request_id}: page checksum mismatch after transfer")
+        async for out in self.engine.generate_prefilled(req, first_token):
+            yield out
+
+    async def generate(self, req: GenerateRequest):
+        """Colocated generation on this worker (skipped prefill, or recompute after a failure)."""
+        async for out in self.engine.generate(req):
+            yield out
+
+    # ---- prefill role ----
+    async def prefill(self, req: GenerateRequest, ticket: TransferTicket, prefix_pages: int,
+                      peer_endpoint: bytes) -> dict:
+        """Compute ``req``'s prompt, write pages ``prefix_pages..`` into the reservation."""
+        pre = dataclasses.replace(req, sampling=dataclasses.replace(req.sampling, max_tokens=1),
+                                  hold_pages=True)
+        first: RequestOutput | None = None
+        async for out in self.engine.generate(pre):
+            first = out if out.new_token_ids else first
+            if out.error:
+                raise TransferError(f"prefill of {req.request_id} failed: {out.error}")
+        if first is None:
+            raise TransferError(f"prefill of {req.request_id} produced no token")
+        try:
+            pages, _ = self.engine.core.held[req.request_id]
+            src = pages[prefix_pages:prefix_pages + len(ticket.dst_pages)]
+            if len(src) != len(ticket.dst_pages):
+                raise TransferError(f"{req.request_id}: {len(src)} pages for "
+                                    f"{len(ticket.dst_pages)} reserved")
+            checksum = page_set_checksum(self.pool.pages, src)
+            await self._send(peer_endpoint, ticket, src)
+            return {"first_token": first.new_token_ids[0], "checksum": checksum,
+                    "nbytes": len(src) * self.pool.layout.page_nbytes, "pages": len(src)}
+        finally:
+            await self.engine.call(self.engine.core.release_held, req.request_id)
+
+    async def _send(self, peer_endpoint: bytes, ticket: TransferTicket, src: list[int]) -> None:
+        handle = self.transport.write_pages(peer_endpoint, ticket, src)
+        while True:
+            status = self.transport.poll(handle)
+            if status.state == "success":
+                return
+            if status.state == "failed":
+                raise TransferError(f"{ticket.request_id}: transfer failed: {status.error}")
+            if time.time() > ticket.deadline:
+                raise TransferError(f"{ticket.request_id}: transfer missed its deadline")
+            await asyncio.sleep(0.001)
+
+
+def make_worker_class(role: str, num_gpus: float, num_cpus: float):
+    """``ray.remote`` classes named PrefillWorker / DecodeWorker for the dashboard."""
+    import ray
+
+    name = {"prefill": "PrefillWorker", "decode": "DecodeWorker"}[role]
+    cls = type(name, (EngineWorker,), {})
+    return ray.remote(num_gpus=num_gpus, num_cpus=num_cpus, max_restarts=-1,
+                      max_task_retries=0)(cls)

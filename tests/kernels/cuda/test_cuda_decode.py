@@ -1,0 +1,159 @@
+"""CUDA C++ NVFP4 decode against the fp32 torch reference (GPU), and its input checks (CPU).
+
+GPU cases need compute capability 9.0 (the extension is built for sm_90a on first
+use, about a minute). Outputs are poisoned with NaN; pools start as random bytes,
+so slots past a sequence's end hold garbage (NaN scales included) that must be
+masked. The MMA operands are fp16, hence the 3e-3 bound (bf16 output adds its own
+rounding).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nibble.kernels import KernelInputError, PageLayout, decode_attention_ref, store_kv_ref
+from nibble.kernels.cuda import VARIANTS, decode_attention_nvfp4_cuda, is_built
+
+HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+K_SCALE, V_SCALE = 0.37, 2.0
+
+
+def _case(seq_lens, s=16, h=2, group=4, seed=0, q_dtype=torch.bfloat16, layer=1):
+    """A 2-layer pool of random bytes with every slot of ``layer`` stored; shuffled tables."""
+    layout = PageLayout("nvfp4", 2, h, 128, s)
+    gen = torch.Generator().manual_seed(seed)
+    width = max(-(-n // s) for n in seq_lens)
+    pages = len(seq_lens) * width + 1
+    pool = layout.allocate(pages).random_(0, 256, generator=gen)
+    n = pages * s
+    k = torch.randn(n, h, 128, generator=gen) * 2 + torch.randn(1, h, 128, generator=gen)
+    v = torch.randn(n, h, 128, generator=gen)
+    store_kv_ref(layout, layout.layer_view(pool, layer), k, v, torch.arange(n), K_SCALE, V_SCALE)
+    tables = torch.randperm(pages, generator=gen)[:len(seq_lens) * width]
+    tables = tables.to(torch.int32).view(len(seq_lens), width)
+    q = torch.randn(len(seq_lens), h * group, 128, generator=gen).to(q_dtype)
+    return layout, pool, tables, torch.tensor(seq_lens, dtype=torch.int32), q
+
+
+def _run(layout, pool, tables, lens, q, out_dtype=torch.float32, layer=1, **kw):
+    dev = torch.device("cuda")
+    view = layout.layer_view(pool.to(dev), layer)
+    out = torch.full(q.shape, float("nan"), dtype=out_dtype, device=dev)
+    got = decode_attention_nvfp4_cuda(layout, view, q.to(dev), tables.to(dev), lens.to(dev),
+                                      128 ** -0.5, K_SCALE, V_SCALE, out=out, **kw)
+    assert got is out
+    return got.float().cpu()
+
+
+def _err(layout, pool, tables, lens, q, got, layer=1):
+    ref = decode_attention_ref(layout, layout.layer_view(pool, layer), q.float(), tables,
+                               lens.long(), 128 ** -0.5, K_SCALE, V_SCALE)
+    assert torch.isfinite(got).all(), "unwritten (NaN) outputs"
+    return ((got - ref).norm() / ref.norm()).item()
+
+
+@pytest.mark.parametrize("seq_lens,s,h,group,splits", [
+    ((5, 64, 33, 1000), 16, 2, 4, None),
+    ((5, 64, 33, 1000), 16, 2, 4, 3),
+    ((100, 17, 300), 64, 2, 4, 1),
+    ((700, 1), 32, 1, 8, 2),
+    ((250,), 16, 4, 1, None),
+    ((4000, 3), 16, 2, 4, 20),   # many splits: some warps and CTAs get no tile
+])
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_SM90, reason="needs an sm_90 GPU")
+def test_decode_matches_reference(seq_lens, s, h, group, splits, variant):
+    layout, pool, tables, lens, q = _case(seq_lens, s, h, group, seed=len(seq_lens) + s)
+    got = _run(layout, pool, tables, lens, q, num_splits=splits, variant=variant)
+    assert _err(layout, pool, tables, lens, q, got) < 3e-3
+
+
+@pytest.mark.parametrize("q_dtype,out_dtype,bound", [
+    (torch.float16, torch.bfloat16, 8e-3), (torch.float32, torch.float16, 3e-3)])
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_SM90, reason="needs an sm_90 GPU")
+def test_decode_dtypes_and_int64_lengths(q_dtype, out_dtype, bound):
+    layout, pool, tables, lens, q = _case((77, 512), 16, 2, 4, seed=7, q_dtype=q_dtype, layer=0)
+    got = _run(layout, pool, tables, lens.long(), q, out_dtype=out_dtype, layer=0)
+    assert _err(layout, pool, tables, lens, q, got, layer=0) < bound
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_SM90, reason="needs an sm_90 GPU")
+def test_decode_cuda_graph_replay_sees_new_inputs():
+    layout, pool, tables, lens, q = _case((300, 40), 16, 2, 4, seed=11)
+    dev = torch.device("cuda")
+    view = layout.layer_view(pool.to(dev), 1)
+    q_d, t_d, l_d = q.to(dev), tables.to(dev), lens.to(dev)
+    kgs = torch.tensor([K_SCALE], device=dev)
+    vgs = torch.tensor([V_SCALE], device=dev)
+    out = torch.full(q.shape, float("nan"), dtype=torch.float32, device=dev)
+
+    def step():
+        decode_attention_nvfp4_cuda(layout, view, q_d, t_d, l_d, 128 ** -0.5, kgs, vgs, out=out,
+                                    max_seq_len=512)
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    q2 = torch.randn_like(q)
+    lens2 = torch.tensor([17, 299], dtype=torch.int32)
+    q_d.copy_(q2.to(dev))
+    l_d.copy_(lens2.to(dev))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert _err(layout, pool, tables, lens2, q2, out.cpu()) < 3e-3
+
+
+# ---------------------------------------------------------------- CPU: checks, no build
+
+def _cpu_args(fmt="nvfp4", d=128, s=16, h=2, hq=8, q_dtype=torch.bfloat16):
+    layout = PageLayout(fmt, 1, h, d, s)
+    pool = layout.allocate(4)
+    q = torch.zeros(2, hq, d, dtype=q_dtype)
+    tables = torch.zeros(2, 2, dtype=torch.int32)
+    lens = torch.ones(2, dtype=torch.int32)
+    return layout, layout.layer_view(pool, 0), q, tables, lens
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(fmt="fp8_e4m3"), "NVFP4"),
+    (dict(d=64), "head_dim"),
+    (dict(s=48), "page_size"),
+    (dict(hq=32), "query heads per KV head"),
+    (dict(hq=7), "multiple"),
+    (dict(q_dtype=torch.int32), "bf16/fp16/fp32"),
+    (dict(), "CUDA device"),
+])
+def test_rejects_bad_inputs_without_building(kwargs, message):
+    layout, view, q, tables, lens = _cpu_args(**kwargs)
+    with pytest.raises(KernelInputError, match=message):
+        decode_attention_nvfp4_cuda(layout, view, q, tables, lens, 0.1)
+    assert not is_built() or HAS_SM90
+
+
+def test_import_builds_nothing():
+    import nibble.kernels.cuda as mod
+    assert callable(mod.decode_attention_nvfp4_cuda)
+    if not torch.cuda.is_available():
+        assert not is_built()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_SM90, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(out=torch.empty(2, 8, 64)), "out must be"),
+    (dict(variant=5), "variant"),
+    (dict(num_splits=0), "num_splits"),
+])
+def test_rejects_bad_options_on_gpu(kwargs, message):
+    layout, view, q, tables, lens = _cpu_args()
+    pool = layout.allocate(4, "cuda")
+    kwargs = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    with pytest.raises(KernelInputError, match=message):
+        decode_attention_nvfp4_cuda(layout, layout.layer_view(pool, 0), q.cuda(), tables.cuda(),
+                                    lens.cuda(), 0.1, **kwargs)

@@ -1,0 +1,260 @@
+"""The ``grpc`` KV transport: page bytes streamed in bounded chunks (the fallback without RDMA).
+
+Every attached instance runs a ``KVTransfer`` server (``proto/nibble/v1/
+kv_transfer.proto``) in its own process, on a thread pool, bound to
+``address`` (default ``127.0.0.1:0``, a free port). A sender calls the
+client-streaming ``WritePages``: the signed ticket first, then the ticket's
+pages in order as one logical byte stream cut into chunks of at most
+``chunk_bytes`` (default 1 MiB; a chunk may span pages). The server checks the
+ticket before any byte lands (PERMISSION_DENIED for a bad signature or an
+unknown/reused ticket, DEADLINE_EXCEEDED once the deadline has passed) and
+writes each chunk straight into the reserved pages of the attached pool.
+Flow control is gRPC's (HTTP/2 windows; the request iterator is pulled only as
+fast as the channel drains), with the chunk size bounding memory per stream.
+Message size limits are set explicitly on both sides.
+
+Options: ``secret``, ``grace_s`` (see KVTransport), ``address``,
+``advertise`` (the address peers dial, default the bound one),
+``chunk_bytes`` (what this sender sends), ``max_chunk_bytes`` (the largest
+chunk this receiver accepts, default 4 MiB), ``server_threads`` (concurrent
+incoming streams, default 4).
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent import futures
+from typing import Iterator, Sequence
+
+import grpc
+import numpy as np
+import torch
+
+from nibble.proto.nibble.v1 import kv_transfer_pb2 as pb
+from nibble.proto.nibble.v1 import kv_transfer_pb2_grpc as pb_grpc
+
+from .base import KVTransport, TransferHandle, TransferState, TransferStatus, register_transport
+from .checksum import page_bytes, page_set_checksum
+from .endpoint import Endpoint
+from .errors import TicketError, TransferArgumentError, TransportUnavailableError
+from .tickets import RejectReason, TransferTicket
+
+DEFAULT_CHUNK_BYTES = 1 << 20
+DEFAULT_MAX_CHUNK_BYTES = 4 << 20
+_HEADER_ROOM = 1 << 20  # the first message's ticket: 4-5 bytes per page id
+
+_CODES = {
+    RejectReason.SIGNATURE: grpc.StatusCode.PERMISSION_DENIED,
+    RejectReason.UNKNOWN: grpc.StatusCode.PERMISSION_DENIED,
+    RejectReason.REUSED: grpc.StatusCode.PERMISSION_DENIED,
+    RejectReason.DEADLINE: grpc.StatusCode.DEADLINE_EXCEEDED,
+    RejectReason.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
+    RejectReason.CHECKSUM: grpc.StatusCode.DATA_LOSS,
+    RejectReason.ABORTED: grpc.StatusCode.ABORTED,
+}
+
+
+def ticket_to_proto(t: TransferTicket) -> pb.TransferTicket:
+    return pb.TransferTicket(request_id=t.request_id, ticket_id=t.ticket_id,
+                             dst_pages=list(t.dst_pages), page_nbytes=t.page_nbytes,
+                             deadline=t.deadline, signature=t.signature)
+
+
+def ticket_from_proto(m: pb.TransferTicket) -> TransferTicket:
+    return TransferTicket(m.request_id, m.ticket_id, tuple(m.dst_pages), m.page_nbytes,
+                          m.deadline, bytes(m.signature))
+
+
+class _PageWriter:
+    """Writes one admitted stream, in order, into the ticket's pages of the pool."""
+
+    def __init__(self, transport: "GrpcTransport", entry, max_chunk: int):
+        self.book, self.entry, self.max_chunk = transport.book, entry, max_chunk
+        self.pn = transport.page_nbytes
+        self.flat = transport.pool.view(-1)
+        self.np = self.flat.numpy() if self.flat.device.type == "cpu" else None
+        self.cursor, self.total = 0, entry.ticket.nbytes
+
+    def write(self, msg: pb.PageChunk) -> None:
+        n, pos = len(msg.data), msg.page_index * self.pn + msg.offset
+        if msg.offset >= self.pn or pos != self.cursor:
+            raise TicketError(RejectReason.INVALID, f"chunk at page {msg.page_index} offset "
+                              f"{msg.offset} is out of order (expected byte {self.cursor})")
+        if not 0 < n <= self.max_chunk or pos + n > self.total:
+            raise TicketError(RejectReason.INVALID, f"chunk of {n} bytes at byte {pos} exceeds "
+                              f"the chunk limit {self.max_chunk} or the ticket's {self.total}")
+        src = np.frombuffer(msg.data, dtype=np.uint8)
+        host = None if self.np is not None else torch.from_numpy(src.copy())
+        with self.entry.lock:
+            if not self.book.is_live(self.entry):
+                raise TicketError(RejectReason.DEADLINE, "the ticket deadline passed mid-stream")
+            done = 0
+            while done < n:
+                at = pos + done
+                take = min(self.pn - at % self.pn, n - done)
+                dst = self.entry.ticket.dst_pages[at // self.pn] * self.pn + at % self.pn
+                if self.np is not None:
+                    self.np[dst:dst + take] = src[done:done + take]
+                else:
+                    self.flat[dst:dst + take].copy_(host[done:done + take])
+                done += take
+        self.cursor += n
+
+    def finish(self) -> None:
+        if self.cursor != self.total:
+            raise TicketError(RejectReason.ABORTED,
+                              f"stream ended after {self.cursor} of {self.total} bytes")
+
+
+class _Servicer(pb_grpc.KVTransferServicer):
+    def __init__(self, transport: "GrpcTransport"):
+        self.tr = transport
+
+    def WritePages(self, request_iterator, context):  # noqa: N802 (generated name)
+        tr = self.tr
+        first = next(request_iterator, None)
+        if first is None or not first.HasField("ticket"):
+            tr.book.refuse("", "", RejectReason.INVALID, "the first message carries no ticket")
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message must be the ticket")
+        ticket = ticket_from_proto(first.ticket)
+        try:
+            entry = tr.book.admit(ticket)
+        except TicketError as e:
+            context.abort(_CODES[RejectReason(e.reason)], str(e))
+        failure = self._receive(entry, first.checksum, request_iterator)
+        if failure is not None:
+            tr.book.close(ticket.ticket_id, RejectReason(failure.reason), failure.detail)
+            context.abort(_CODES[RejectReason(failure.reason)], str(failure))
+        tr.book.complete(ticket.ticket_id, ticket.nbytes, first.checksum or None)
+        return pb.WriteAck(ticket_id=ticket.ticket_id, nbytes=ticket.nbytes,
+                           checksum=first.checksum)
+
+    def _receive(self, entry, checksum: str, chunks) -> TicketError | None:
+        """Write every chunk; the refusal to report, or None when all bytes landed intact."""
+        writer = _PageWriter(self.tr, entry, self.tr.max_chunk_bytes)
+        try:
+            for msg in chunks:
+                writer.write(msg)
+            writer.finish()
+        except TicketError as e:
+            return e
+        except grpc.RpcError:  # the sender cancelled or went away mid-stream
+            return TicketError(RejectReason.ABORTED, "the sender cancelled the stream")
+        if checksum and page_set_checksum(self.tr.pool, entry.ticket.dst_pages) != checksum:
+            return TicketError(RejectReason.CHECKSUM, "page-set checksum mismatch")
+        return None
+
+
+@register_transport("grpc")
+class GrpcTransport(KVTransport):
+    """KV pages over a gRPC client stream (see the module docstring for options)."""
+
+    def __init__(self, *, secret: bytes | str, grace_s: float = 2.0,
+                 address: str = "127.0.0.1:0", advertise: str | None = None,
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES, server_threads: int = 4):
+        super().__init__(secret=secret, grace_s=grace_s)
+        if chunk_bytes <= 0 or max_chunk_bytes <= 0:
+            raise TransferArgumentError("chunk sizes must be positive")
+        self.address, self.advertise = address, advertise
+        self.chunk_bytes, self.max_chunk_bytes = int(chunk_bytes), int(max_chunk_bytes)
+        self.server_threads = int(server_threads)
+        self._server: grpc.Server | None = None
+        self._channels: dict[str, tuple[grpc.Channel, pb_grpc.KVTransferStub]] = {}
+
+    def _attach(self, pool_pages: torch.Tensor) -> None:
+        server = grpc.server(
+            futures.ThreadPoolExecutor(self.server_threads, thread_name_prefix="nibble-kv-grpc"),
+            options=[("grpc.max_receive_message_length", self.max_chunk_bytes + _HEADER_ROOM),
+                     ("grpc.max_send_message_length", 64 << 10)])
+        pb_grpc.add_KVTransferServicer_to_server(_Servicer(self), server)
+        try:
+            port = server.add_insecure_port(self.address)
+        except RuntimeError as e:
+            raise TransportUnavailableError(f"cannot bind {self.address}: {e}") from None
+        if not port:
+            raise TransportUnavailableError(f"cannot bind {self.address}")
+        server.start()
+        self._server = server
+        host = self.address.rsplit(":", 1)[0]
+        host = "127.0.0.1" if host in ("", "0.0.0.0", "[::]") else host
+        self.advertise = self.advertise or f"{host}:{port}"
+
+    def endpoint(self) -> bytes:
+        if self._server is None:
+            raise TransferArgumentError("attach(pool) first")
+        return Endpoint(self.name, self.endpoint_id, self.num_pages, self.page_nbytes,
+                        {"address": self.advertise, "max_chunk": self.max_chunk_bytes}
+                        ).encode(self.secret)
+
+    def _stub(self, address: str) -> pb_grpc.KVTransferStub:
+        if address not in self._channels:
+            limit = self.chunk_bytes + _HEADER_ROOM
+            ch = grpc.insecure_channel(address, options=[
+                ("grpc.max_send_message_length", limit),
+                ("grpc.max_receive_message_length", 64 << 10)])
+            self._channels[address] = (ch, pb_grpc.KVTransferStub(ch))
+        return self._channels[address][1]
+
+    def write_pages(self, peer_endpoint: bytes, ticket: TransferTicket, src_pages: Sequence[int],
+                    checksum: str | None = None) -> TransferHandle:
+        peer, src, handle = self._start(peer_endpoint, ticket, src_pages)
+        chunk = min(self.chunk_bytes, int(peer.fields["max_chunk"]))
+        stub = self._stub(str(peer.fields["address"]))
+        timeout = max(0.001, handle.give_up_at - time.monotonic())
+        handle.impl = stub.WritePages.future(self._chunks(ticket, src, checksum, chunk),
+                                             timeout=timeout)
+        return handle
+
+    def _chunks(self, ticket: TransferTicket, src: list[int], checksum: str | None, chunk: int
+                ) -> Iterator[pb.PageChunk]:
+        """The ticket, then the source pages as one byte stream in chunks of ``chunk`` bytes."""
+        yield pb.PageChunk(ticket=ticket_to_proto(ticket), checksum=checksum or "")
+        pn, parts, size, start = self.page_nbytes, [], 0, 0
+        for p in src:
+            view, off = page_bytes(self.pool, p), 0
+            while off < pn:
+                take = min(pn - off, chunk - size)
+                parts.append(view[off:off + take])
+                size, off = size + take, off + take
+                if size == chunk:
+                    yield pb.PageChunk(page_index=start // pn, offset=start % pn,
+                                       data=b"".join(parts))
+                    parts, start, size = [], start + size, 0
+        if parts:
+            yield pb.PageChunk(page_index=start // pn, offset=start % pn, data=b"".join(parts))
+
+    def poll(self, handle: TransferHandle) -> TransferStatus:
+        if handle.final is not None:
+            return handle.final
+        fut = handle.impl
+        if not fut.done():
+            if time.monotonic() <= handle.give_up_at:
+                return handle.status()
+            fut.cancel()
+            return handle.finish(TransferState.FAILED, "no answer before the ticket deadline")
+        if fut.cancelled():
+            return handle.finish(TransferState.FAILED, "cancelled")
+        err = fut.exception()
+        if err is not None:
+            code = err.code().name if hasattr(err, "code") else type(err).__name__
+            detail = err.details() if hasattr(err, "details") else str(err)
+            return handle.finish(TransferState.FAILED, f"{code}: {detail}")
+        ack = fut.result()
+        if ack.nbytes != handle.nbytes:
+            return handle.finish(TransferState.FAILED,
+                                 f"receiver acknowledged {ack.nbytes} of {handle.nbytes} bytes")
+        return handle.finish(TransferState.SUCCESS)
+
+    def cancel(self, handle: TransferHandle) -> TransferStatus:
+        if handle.impl is not None:
+            handle.impl.cancel()
+        return super().cancel(handle)
+
+    def close(self) -> None:
+        for ch, _ in self._channels.values():
+            ch.close()
+        self._channels.clear()
+        if self._server is not None:
+            self._server.stop(grace=0.2).wait(2)
+            self._server = None

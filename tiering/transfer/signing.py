@@ -1,0 +1,60 @@
+"""HMAC-SHA256 signatures for transfer tickets and endpoints (a shared secret).
+
+A ticket's signature covers ``(request_id, ticket_id, dst_pages, page_nbytes,
+deadline, receiver_id)`` in a canonical JSON encoding, so a ticket issued by
+one receiver cannot be replayed against another, and no field can change
+without the signature breaking. Comparisons are constant time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+from typing import Protocol, Sequence
+
+MIN_SECRET_BYTES = 16
+_TICKET_DOMAIN = "nibble-kv-ticket-v1"
+_BLOB_DOMAIN = b"nibble-kv-blob-v1\0"
+
+
+class TicketFields(Protocol):
+    request_id: str
+    ticket_id: str
+    dst_pages: Sequence[int]
+    page_nbytes: int
+    deadline: float
+
+
+def as_secret(secret: bytes | str) -> bytes:
+    """The secret as bytes; raises ValueError when shorter than MIN_SECRET_BYTES."""
+    raw = secret.encode() if isinstance(secret, str) else bytes(secret)
+    if len(raw) < MIN_SECRET_BYTES:
+        raise ValueError(f"the transfer secret must be at least {MIN_SECRET_BYTES} bytes")
+    return raw
+
+
+def ticket_message(t: TicketFields, receiver_id: str) -> bytes:
+    """Canonical bytes that a ticket signature covers (floats round-trip exactly in JSON)."""
+    return json.dumps([_TICKET_DOMAIN, t.request_id, t.ticket_id, [int(p) for p in t.dst_pages],
+                       int(t.page_nbytes), float(t.deadline), receiver_id],
+                      separators=(",", ":")).encode()
+
+
+def sign(secret: bytes, ticket: TicketFields, receiver_id: str) -> bytes:
+    """HMAC-SHA256 of ``ticket`` bound to ``receiver_id`` (32 bytes)."""
+    return hmac.new(secret, ticket_message(ticket, receiver_id), hashlib.sha256).digest()
+
+
+def verify(secret: bytes, ticket: TicketFields, receiver_id: str, signature: bytes) -> bool:
+    """True when ``signature`` is ``sign(secret, ticket, receiver_id)`` (constant time)."""
+    return hmac.compare_digest(sign(secret, ticket, receiver_id), bytes(signature))
+
+
+def sign_blob(secret: bytes, blob: bytes) -> bytes:
+    """HMAC-SHA256 of an opaque blob (endpoint descriptions)."""
+    return hmac.new(secret, _BLOB_DOMAIN + blob, hashlib.sha256).digest()
+
+
+def verify_blob(secret: bytes, blob: bytes, signature: bytes) -> bool:
+    return hmac.compare_digest(sign_blob(secret, blob), bytes(signature))
