@@ -8,6 +8,8 @@ on the same pages, and the Triton FP8 kernel. Optionally dumps registers and SAS
 of the built extension (cuobjdump). Prints a table; JSON to ``$OUT/kernels_cuda.json``.
 
     python bench/kernels_cuda.py [--quick] [--variants 4,3,14] [--sass]
+    python bench/kernels_cuda.py --diag            # loads-only / compute-only diagnostics
+    ncu -k regex:decode_kernel python bench/kernels_cuda.py --profile 4   # one case, no graph
 """
 
 from __future__ import annotations
@@ -108,6 +110,41 @@ def time_case(case: tuple, variants: list[int], read_bw: float) -> dict:
     return row
 
 
+def diag(read_bw: float) -> list[dict]:
+    """Time the full kernel against its loads-only and compute-only diagnostic variants."""
+    rows = []
+    for case in (CASES[1], CASES[3]):
+        b, ctx, hq, h, d, s = case
+        tables, lens, pages = tk.tables_for([ctx] * b, s, seed=ctx + b)
+        layout, pool, view = tk.filled_pool("nvfp4", h, d, s, pages, seed=b)
+        q = torch.randn((b, hq, d), device=DEV, dtype=torch.bfloat16)
+        out = torch.empty_like(q)
+        nbytes = tk.kv_bytes(layout, b * ctx)
+        for var in (4, 1004, 2004):
+            ns = cuda_decode.default_num_splits(b, h, ctx, DEV, 4)
+            sec = tk.graph_time(lambda: decode_attention_nvfp4_cuda(  # noqa: E731
+                layout, view, q, tables, lens, d ** -0.5, tk.ONE, tk.ONE, out=out, num_splits=ns,
+                variant=var))
+            rows.append({"case": case, "variant": var, "us": sec * 1e6, "bw": nbytes / sec})
+            pct = 100 * nbytes / sec / read_bw
+            print(f"diag {b} x {ctx} v{var}: {sec * 1e6:.1f} us ({pct:.0f}% of read BW)",
+                  flush=True)
+        del pool, view
+    return rows
+
+
+def profile(variant: int) -> None:
+    """One (8, 32768) decode, three plain launches (for ncu)."""
+    b, ctx, hq, h, d, s = CASES[1]
+    tables, lens, pages = tk.tables_for([ctx] * b, s, seed=ctx + b)
+    layout, pool, view = tk.filled_pool("nvfp4", h, d, s, pages, seed=b)
+    q = torch.randn((b, hq, d), device=DEV, dtype=torch.bfloat16)
+    for _ in range(3):
+        decode_attention_nvfp4_cuda(layout, view, q, tables, lens, d ** -0.5, tk.ONE, tk.ONE,
+                                    variant=variant)
+    torch.cuda.synchronize()
+
+
 def sass_report(out_dir: Path | None) -> dict:
     """Registers (cuobjdump -res-usage) and loop opcode counts of the built extension."""
     so = cuda_decode._module().__file__
@@ -144,9 +181,14 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="first two cases only")
     ap.add_argument("--variants", default=",".join(map(str, VARIANTS)))
     ap.add_argument("--sass", action="store_true", help="registers and SASS loop counts")
+    ap.add_argument("--diag", action="store_true", help="loads-only / compute-only timings")
+    ap.add_argument("--profile", type=int, default=None, help="run one case with VARIANT")
     args = ap.parse_args()
     out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
     tk.ONE = torch.ones(1, dtype=torch.float32, device=DEV)
+    if args.profile is not None:
+        profile(args.profile)
+        return
     props = torch.cuda.get_device_properties(DEV)
     res: dict = {"device": props.name, "torch": torch.__version__, "checks": [], "decode": []}
     t0 = time.time()
@@ -166,7 +208,9 @@ def main() -> None:
         print(f"check v{var}: max rel err {max(errs):.2e} {'ok' if ok else 'BAD'}", flush=True)
         if ok:
             variants.append(var)
-    cases = CASES[:2] if args.quick else CASES
+    if args.diag:
+        res["diag"] = diag(read_bw)
+    cases = [] if args.diag else CASES[:2] if args.quick else CASES
     for case in cases:
         print(f"case {case}", flush=True)
         res["decode"].append(time_case(case, variants, read_bw))

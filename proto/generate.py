@@ -18,6 +18,7 @@ import argparse
 import importlib.resources
 import pathlib
 import re
+import subprocess
 import sys
 
 PROTO_ROOT = pathlib.Path(__file__).resolve().parent
@@ -49,22 +50,23 @@ def _fix_imports(text: str, top_dirs: set[str]) -> str:
 
 def generate(out_dir: pathlib.Path | None = None, root: pathlib.Path = PROTO_ROOT
              ) -> list[pathlib.Path]:
-    """Run protoc on every ``.proto`` in ``root``; write stubs under ``out_dir`` (default: ``root``).
+    """Run protoc on every ``.proto`` in ``root``; stubs go under ``out_dir`` (default ``root``).
 
     Returns the stub paths written. Missing ``__init__.py`` files are created
     along the way so the stubs import as packages.
     """
-    from grpc_tools import protoc
-
     out = pathlib.Path(out_dir or root).resolve()
     files = proto_files(root)
     if not files:
         return []
     well_known = importlib.resources.files("grpc_tools") / "_proto"
-    args = ["grpc_tools.protoc", f"-I{root}", f"-I{well_known}", f"--python_out={out}",
-            f"--grpc_python_out={out}", *(str(f) for f in files)]
-    if protoc.main(args) != 0:
-        raise RuntimeError(f"protoc failed on {[str(f) for f in files]}")
+    # A child process: grpc_tools' compiler carries its own protobuf/abseil, which can crash
+    # a process that already loaded other native copies (NIXL's, for one).
+    cmd = [sys.executable, "-m", "grpc_tools.protoc", f"-I{root}", f"-I{well_known}",
+           f"--python_out={out}", f"--grpc_python_out={out}", *(str(f) for f in files)]
+    run = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if run.returncode != 0:
+        raise RuntimeError(f"protoc failed ({run.returncode}): {run.stderr.strip()}")
     top_dirs = {f.parts[0] for f in files if len(f.parts) > 1}
     written = []
     for f in files:

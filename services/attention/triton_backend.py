@@ -11,8 +11,12 @@ lengths, the extend masks) and allocates the extend workspace; every layer's
 * **extend**: one :func:`~nibble.kernels.triton.gather_kv` launch per layer
   dequantizes every extend sequence's prefix into the shared workspace, then
   torch SDPA over prefix + chunk, per sequence;
-* **decode**: one fused :func:`~nibble.kernels.triton.decode_attention` launch
-  (plus its reduce) per layer for all decode sequences.
+* **decode**: one fused split-K paged-decode launch (plus its reduce) per layer
+  for all decode sequences: the register-level Hopper kernel
+  :func:`~nibble.kernels.cuda.decode_attention_nvfp4_cuda` where it applies
+  (``decode_impl == "cuda-sm90"``), else the portable
+  :func:`~nibble.kernels.triton.decode_attention` (``"triton"``); chosen once at
+  construction by :mod:`.decode_select` (``NIBBLE_DECODE_KERNEL`` overrides).
 
 Global scales live on the device as one-element fp32 views of a ``[L, 2]``
 tensor, refreshed in ``plan`` only when the pool's ``scale_version`` changes.
@@ -20,19 +24,25 @@ tensor, refreshed in ``plan`` only when the pool's ``scale_version`` changes.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import triton
 
 from nibble.kernels import PageLayout
+from nibble.kernels.cuda import decode_attention_nvfp4_cuda
+from nibble.kernels.cuda import default_num_splits as cuda_num_splits
 from nibble.kernels.triton import decode_attention, default_num_splits, gather_kv, store_kv
 from nibble.kernels.triton._common import FORMAT_CODES
 from nibble.tiering import KVPool
 
 from ..errors import ConfigError
 from .base import AttentionBackend, AttentionMetadata, register_backend
+from .decode_select import CUDA_SM90, DecodeChoice, confirm_group, select_decode_impl
 from .torch_backend import FP8_MAX
 
 DECODE_HEAD_DIMS = (64, 128, 256)
+log = logging.getLogger(__name__)
 
 
 def _interpreting() -> bool:
@@ -56,15 +66,26 @@ class TritonAttentionBackend(AttentionBackend):
         sm_scale: softmax scale (usually head_dim ** -0.5).
         prefill_kv_dtype: "auto" or "fp8_e4m3" (fresh K/V and the extend
             workspace are cast to FP8 E4M3 first, as in the torch backend).
+        num_q_heads: the model's query heads, if known; else the GQA group is
+            checked at the first decode (a group the CUDA kernel lacks falls
+            back to Triton there, with a warning).
+
+    Attributes:
+        decode_impl: "cuda-sm90" or "triton", the decode kernel (see :mod:`.decode_select`).
 
     Raises:
-        ConfigError: where :meth:`unsupported_reason` finds a reason.
+        ConfigError: where :meth:`unsupported_reason` finds a reason, or
+            ``NIBBLE_DECODE_KERNEL`` is invalid or forces a CUDA kernel that cannot run.
     """
 
-    def __init__(self, pool: KVPool, sm_scale: float, prefill_kv_dtype: str = "auto"):
+    def __init__(self, pool: KVPool, sm_scale: float, prefill_kv_dtype: str = "auto",
+                 num_q_heads: int | None = None):
         reason = self.unsupported_reason(pool.layout, pool.device)
         if reason is not None:
             raise ConfigError(reason)
+        self._set_decode(select_decode_impl(pool.layout, pool.device, num_q_heads))
+        self._group_checked = num_q_heads is not None
+        log.info("decode kernel: %s (%s)", self.decode_impl, self._decode_choice.why)
         self.pool = pool
         self.layout = pool.layout
         self.device = pool.device
@@ -74,6 +95,14 @@ class TritonAttentionBackend(AttentionBackend):
         self._scales: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._compute_dtype: torch.dtype | None = None   # learned from the first q
         self._ws: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _set_decode(self, choice: DecodeChoice) -> None:
+        self._decode_choice = choice
+        self.decode_impl = choice.impl
+        if choice.impl == CUDA_SM90:
+            self._decode_fn, self._splits_fn = decode_attention_nvfp4_cuda, cuda_num_splits
+        else:
+            self._decode_fn, self._splits_fn = decode_attention, default_num_splits
 
     @staticmethod
     def unsupported_reason(layout: PageLayout, device: torch.device) -> str | None:
@@ -137,7 +166,8 @@ class TritonAttentionBackend(AttentionBackend):
         sel = torch.tensor(idx)
         self._dec_bt = bt.index_select(0, sel.to(bt.device)).contiguous().to(dev)
         self._dec_lens = _dev_ints(lens, dev)
-        self._dec_splits = default_num_splits(len(idx), self.layout.num_kv_heads, max(lens), dev)
+        self._dec_shape = (len(idx), self.layout.num_kv_heads, max(lens))
+        self._dec_splits = self._splits_fn(*self._dec_shape, dev)
 
     def _refresh_scales(self) -> None:
         """Per-layer (k, v) global scales as one-element fp32 device views."""
@@ -205,13 +235,25 @@ class TritonAttentionBackend(AttentionBackend):
             vv = torch.cat([pv[start:start + c].to(q.dtype), v[s:s + n]])
             out[s:s + n] = self._sdpa(q[s:s + n], kk, vv, mask=mask)
 
+    def _check_group(self, num_q_heads: int) -> None:
+        """First decode without ``num_q_heads``: fall back to Triton for a group > 8."""
+        self._group_checked = True
+        choice = confirm_group(self._decode_choice, num_q_heads, self.layout.num_kv_heads)
+        if choice is not self._decode_choice:
+            log.warning("decode kernel: %s instead of %s (%s)", choice.impl, self.decode_impl,
+                        choice.why)
+            self._set_decode(choice)
+            self._dec_splits = self._splits_fn(*self._dec_shape, self.device)
+
     def _decode(self, pages, q, out, ks, vs) -> None:
         """One fused paged-decode launch for every decode sequence of the step."""
+        if not self._group_checked:
+            self._check_group(q.shape[1])
         if self._dec_direct:
-            decode_attention(self.layout, pages, q, self._dec_bt, self._dec_lens, self.sm_scale,
-                             ks, vs, out=out, num_splits=self._dec_splits)
+            self._decode_fn(self.layout, pages, q, self._dec_bt, self._dec_lens, self.sm_scale,
+                            ks, vs, out=out, num_splits=self._dec_splits)
             return
         qd = q.index_select(0, self._dec_rows)
-        od = decode_attention(self.layout, pages, qd, self._dec_bt, self._dec_lens,
-                              self.sm_scale, ks, vs, num_splits=self._dec_splits)
+        od = self._decode_fn(self.layout, pages, qd, self._dec_bt, self._dec_lens,
+                             self.sm_scale, ks, vs, num_splits=self._dec_splits)
         out.index_copy_(0, self._dec_rows, od)

@@ -22,6 +22,7 @@ from ..errors import EngineDeadError, InvalidRequestError
 
 log = logging.getLogger(__name__)
 STATS_TIMEOUT_S = 5.0
+RAY_NAMESPACE = "nibble"      # actors are named within it, so `ray.get_actor(...)` finds them
 
 
 def _init_ray(cfg: NibbleConfig, secret: str) -> bool:
@@ -32,10 +33,12 @@ def _init_ray(cfg: NibbleConfig, secret: str) -> bool:
     if ray.is_initialized():
         return False
     if cfg.disagg.ray_address:
-        ray.init(address=cfg.disagg.ray_address, runtime_env=env, log_to_driver=True)
+        ray.init(address=cfg.disagg.ray_address, runtime_env=env, namespace=RAY_NAMESPACE,
+                 log_to_driver=True)
         return False
     ray.init(_node_ip_address="127.0.0.1", dashboard_host="127.0.0.1", include_dashboard=True,
-             runtime_env=env, num_cpus=max(2, os.cpu_count() or 2), log_to_driver=True)
+             runtime_env=env, num_cpus=max(2, os.cpu_count() or 2), namespace=RAY_NAMESPACE,
+             log_to_driver=True)
     return True
 
 

@@ -16,8 +16,7 @@ import logging
 import os
 import time
 
-from nibble.tiering.transfer import (TransferTicket, create_transport, page_set_checksum,
-                                     sign_ticket, verify_ticket)
+from nibble.tiering.transfer import TransferTicket, create_transport, page_set_checksum
 
 from ..config import NibbleConfig
 from ..engine.async_engine import AsyncEngine
@@ -26,14 +25,6 @@ from ..engine.types import GenerateRequest, RequestOutput
 from .transfer_state import TransferError
 
 log = logging.getLogger(__name__)
-
-
-def transfer_secret() -> bytes:
-    """The deployment's shared HMAC secret (set by ``nibble serve`` for every actor)."""
-    secret = os.environ.get("NIBBLE_KV_SECRET")
-    if not secret:
-        raise TransferError("NIBBLE_KV_SECRET is not set for this worker")
-    return secret.encode()
 
 
 class EngineWorker:
@@ -46,7 +37,6 @@ class EngineWorker:
         self.pool = self.engine.core.pool
         self.transport = create_transport(cfg.disagg.kv_transport)
         self.transport.attach(self.pool.pages)
-        self.secret = transfer_secret()
         self.incarnation = os.urandom(8).hex()    # changes when Ray restarts the actor
         log.info("%s worker %s ready (%s transport)", role, worker_id, cfg.disagg.kv_transport)
 
@@ -65,6 +55,8 @@ class EngineWorker:
         s["reservations"] = len(self.engine.core.handoff.reservations)
         s["held"] = len(self.engine.core.held)
         s["incarnation"] = self.incarnation
+        s["transfers_received"] = len(self.transport.received())   # drained each poll
+        s["transfers_rejected"] = len(self.transport.rejected())
         return s
 
     async def kv_events(self, since: int) -> dict:
@@ -85,11 +77,9 @@ class EngineWorker:
     async def reserve(self, req: GenerateRequest, lease_s: float, deadline_s: float) -> dict:
         """Reserve pages for ``req``'s prompt; returns a signed ticket for the prefill worker."""
         res = await self.engine.call(self.engine.core.handoff.reserve, req, lease_s)
-        ticket = TransferTicket(request_id=req.request_id, ticket_id=os.urandom(8).hex(),
-                                dst_pages=list(res.new_pages), page_nbytes=self.pool.layout.page_nbytes,
-                                deadline=time.time() + deadline_s)
-        return {"ticket": sign_ticket(ticket, self.secret, self.transport.endpoint_id()),
-                "prefix_pages": len(res.prefix_pages), "endpoint": self.transport.endpoint()}
+        ticket = self.transport.issue_ticket(req.request_id, list(res.new_pages), deadline_s)
+        return {"ticket": ticket, "prefix_pages": len(res.prefix_pages),
+                "endpoint": self.transport.endpoint()}
 
     async def extend_lease(self, request_id: str, lease_s: float) -> bool:
         return await self.engine.call(self.engine.core.handoff.extend, request_id, lease_s)
@@ -99,11 +89,12 @@ class EngineWorker:
 
     async def decode(self, req: GenerateRequest, ticket: TransferTicket, first_token: int,
                      checksum: str):
-        """Verify the pages the prefill worker wrote, then stream the rest of the request."""
-        if not verify_ticket(ticket, self.secret, self.transport.endpoint_id()):
-            await self.cancel(req.request_id)
-            raise TransferError(f"{req.request_id}: ticket signature does not verify")
-        got = page_set_checksum(self.pool.pages, ticket.dst_pages)
+        """Verify the pages the prefill worker wrote, then stream the rest of the request.
+
+        The transport already refused writes without a ticket this worker issued;
+        the checksum proves the reserved pages hold exactly what was sent.
+        """
+        got = page_set_checksum(self.pool.pages, list(ticket.dst_pages))
         if got != checksum:
             await self.cancel(req.request_id)
             raise TransferError(f"{req.request_id}: page checksum mismatch after transfer")
@@ -135,14 +126,15 @@ class EngineWorker:
                 raise TransferError(f"{req.request_id}: {len(src)} pages for "
                                     f"{len(ticket.dst_pages)} reserved")
             checksum = page_set_checksum(self.pool.pages, src)
-            await self._send(peer_endpoint, ticket, src)
+            await self._send(peer_endpoint, ticket, src, checksum)
             return {"first_token": first.new_token_ids[0], "checksum": checksum,
                     "nbytes": len(src) * self.pool.layout.page_nbytes, "pages": len(src)}
         finally:
             await self.engine.call(self.engine.core.release_held, req.request_id)
 
-    async def _send(self, peer_endpoint: bytes, ticket: TransferTicket, src: list[int]) -> None:
-        handle = self.transport.write_pages(peer_endpoint, ticket, src)
+    async def _send(self, peer_endpoint: bytes, ticket: TransferTicket, src: list[int],
+                    checksum: str) -> None:
+        handle = self.transport.write_pages(peer_endpoint, ticket, src, checksum=checksum)
         while True:
             status = self.transport.poll(handle)
             if status.state == "success":

@@ -6,7 +6,8 @@ tensor (uint8 ``[num_pages, num_layers, layer_nbytes]``, see
 bytes). Every instance can both send and receive:
 
 * receiver: ``attach(pool)``, ``endpoint()`` (handed to senders out of band),
-  ``issue_ticket(request_id, dst_pages, ttl_s)`` for pages it reserved, then
+  ``issue_ticket(request_id, dst_pages, ttl_s)`` for pages it reserved (or
+  ``expect_ticket(t)`` for a ticket signed with ``sign_ticket``), then
   ``received()`` / ``rejected()`` to learn each ticket's fate. The worker
   installs the pages of a ``CompletedTransfer`` and frees or recomputes those
   of a ``RejectedTransfer`` with ``ticket_closed``; the pages of a closed
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import abc
 import enum
+import os
 import secrets
 import time
 from dataclasses import dataclass
@@ -36,6 +38,9 @@ from . import signing
 from .endpoint import Endpoint, decode_endpoint
 from .errors import TransferArgumentError
 from .tickets import CompletedTransfer, RejectedTransfer, TicketBook, TransferTicket
+
+
+SECRET_ENV = "NIBBLE_KV_SECRET"
 
 
 class TransferState(str, enum.Enum):
@@ -82,19 +87,23 @@ class KVTransport(abc.ABC):
     """Moves whole pages from this worker's pool into a peer's reserved pages.
 
     Options common to every transport: ``secret`` (shared HMAC key, >= 16
-    bytes, required), ``grace_s`` (slack after a ticket deadline before a
-    sender gives up and a receiver expires the ticket; default 2 s).
+    bytes; default ``$NIBBLE_KV_SECRET``), ``grace_s`` (slack after a ticket
+    deadline before a sender gives up and a receiver expires the ticket;
+    default 2 s).
     """
 
     name: ClassVar[str] = ""
 
-    def __init__(self, *, secret: bytes | str, grace_s: float = 2.0):
+    def __init__(self, *, secret: bytes | str | None = None, grace_s: float = 2.0):
+        secret = os.environ.get(SECRET_ENV) if secret is None else secret
+        if not secret:
+            raise TransferArgumentError(f"no transfer secret: pass secret= or set {SECRET_ENV}")
         try:
             self.secret = signing.as_secret(secret)
         except ValueError as e:
             raise TransferArgumentError(str(e)) from None
         self.grace_s = float(grace_s)
-        self.endpoint_id = f"nibble-{self.name}-{secrets.token_hex(8)}"
+        self._endpoint_id = f"nibble-{self.name}-{secrets.token_hex(8)}"
         self.pool: torch.Tensor | None = None
         self.book: TicketBook | None = None
         self.num_pages = self.page_nbytes = 0
@@ -112,7 +121,7 @@ class KVTransport(abc.ABC):
         self.pool = pool_pages
         self.num_pages = int(pool_pages.shape[0])
         self.page_nbytes = pool_pages.numel() // self.num_pages
-        self.book = TicketBook(self.secret, self.endpoint_id, self.num_pages, self.page_nbytes,
+        self.book = TicketBook(self.secret, self._endpoint_id, self.num_pages, self.page_nbytes,
                                self.grace_s, on_close=self._scrub)
         self._attach(pool_pages)
 
@@ -122,6 +131,10 @@ class KVTransport(abc.ABC):
     @abc.abstractmethod
     def endpoint(self) -> bytes:
         """Signed bytes a sender passes to ``write_pages`` to reach this pool."""
+
+    def endpoint_id(self) -> str:
+        """This receiver's id, bound into every ticket signature (random per instance)."""
+        return self._endpoint_id
 
     @abc.abstractmethod
     def close(self) -> None:
@@ -138,6 +151,12 @@ class KVTransport(abc.ABC):
                      ) -> TransferTicket:
         """Sign a ticket allowing one write into ``dst_pages`` within ``ttl_s`` seconds."""
         return self._attached_book().issue(request_id, dst_pages, ttl_s)
+
+    def expect_ticket(self, ticket: TransferTicket) -> None:
+        """Accept writes for a ticket signed elsewhere (``signing.sign_ticket`` with our
+        ``endpoint_id()``), as if ``issue_ticket`` had made it. Raises TicketError
+        for a bad signature, TransferArgumentError for pages out of range."""
+        self._attached_book().expect(ticket)
 
     def received(self) -> list[CompletedTransfer]:
         """Tickets whose pages have fully landed (and passed every check) since the last call."""
@@ -205,7 +224,8 @@ class KVTransport(abc.ABC):
                 f"page sizes differ: ours {self.page_nbytes}, peer {peer.page_nbytes}, ticket "
                 f"{ticket.page_nbytes}")
         if not all(0 <= p < peer.num_pages for p in ticket.dst_pages):
-            raise TransferArgumentError(f"ticket pages out of the peer's range [0, {peer.num_pages})")
+            raise TransferArgumentError(
+                f"ticket pages out of the peer's range [0, {peer.num_pages})")
         now = time.monotonic()
         give_up = now + max(0.0, ticket.deadline - time.time()) + self.grace_s
         return peer, src, TransferHandle(ticket, peer.endpoint_id, ticket.nbytes, now, give_up)

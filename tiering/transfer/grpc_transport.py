@@ -112,7 +112,10 @@ class _Servicer(pb_grpc.KVTransferServicer):
 
     def WritePages(self, request_iterator, context):  # noqa: N802 (generated name)
         tr = self.tr
-        first = next(request_iterator, None)
+        try:
+            first = next(request_iterator, None)
+        except grpc.RpcError:  # the sender cancelled before its first message
+            context.abort(grpc.StatusCode.CANCELLED, "the sender cancelled the stream")
         if first is None or not first.HasField("ticket"):
             tr.book.refuse("", "", RejectReason.INVALID, "the first message carries no ticket")
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message must be the ticket")
@@ -125,7 +128,8 @@ class _Servicer(pb_grpc.KVTransferServicer):
         if failure is not None:
             tr.book.close(ticket.ticket_id, RejectReason(failure.reason), failure.detail)
             context.abort(_CODES[RejectReason(failure.reason)], str(failure))
-        tr.book.complete(ticket.ticket_id, ticket.nbytes, first.checksum or None)
+        if tr.book.complete(ticket.ticket_id, ticket.nbytes, first.checksum or None) is None:
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the ticket expired meanwhile")
         return pb.WriteAck(ticket_id=ticket.ticket_id, nbytes=ticket.nbytes,
                            checksum=first.checksum)
 
@@ -149,7 +153,7 @@ class _Servicer(pb_grpc.KVTransferServicer):
 class GrpcTransport(KVTransport):
     """KV pages over a gRPC client stream (see the module docstring for options)."""
 
-    def __init__(self, *, secret: bytes | str, grace_s: float = 2.0,
+    def __init__(self, *, secret: bytes | str | None = None, grace_s: float = 2.0,
                  address: str = "127.0.0.1:0", advertise: str | None = None,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES, server_threads: int = 4):
@@ -183,7 +187,7 @@ class GrpcTransport(KVTransport):
     def endpoint(self) -> bytes:
         if self._server is None:
             raise TransferArgumentError("attach(pool) first")
-        return Endpoint(self.name, self.endpoint_id, self.num_pages, self.page_nbytes,
+        return Endpoint(self.name, self._endpoint_id, self.num_pages, self.page_nbytes,
                         {"address": self.advertise, "max_chunk": self.max_chunk_bytes}
                         ).encode(self.secret)
 

@@ -8,14 +8,16 @@ without the signature breaking. Comparisons are constant time.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
 import json
-from typing import Protocol, Sequence
+from typing import Protocol, Sequence, TypeVar
 
 MIN_SECRET_BYTES = 16
 _TICKET_DOMAIN = "nibble-kv-ticket-v1"
 _BLOB_DOMAIN = b"nibble-kv-blob-v1\0"
+T = TypeVar("T")
 
 
 class TicketFields(Protocol):
@@ -24,6 +26,7 @@ class TicketFields(Protocol):
     dst_pages: Sequence[int]
     page_nbytes: int
     deadline: float
+    signature: bytes
 
 
 def as_secret(secret: bytes | str) -> bytes:
@@ -49,6 +52,16 @@ def sign(secret: bytes, ticket: TicketFields, receiver_id: str) -> bytes:
 def verify(secret: bytes, ticket: TicketFields, receiver_id: str, signature: bytes) -> bool:
     """True when ``signature`` is ``sign(secret, ticket, receiver_id)`` (constant time)."""
     return hmac.compare_digest(sign(secret, ticket, receiver_id), bytes(signature))
+
+
+def sign_ticket(ticket: T, secret: bytes, receiver_id: str) -> T:
+    """A copy of ``ticket`` (a TransferTicket) with its ``signature`` set for ``receiver_id``."""
+    return dataclasses.replace(ticket, signature=sign(secret, ticket, receiver_id))
+
+
+def verify_ticket(ticket: TicketFields, secret: bytes, receiver_id: str) -> bool:
+    """True when ``ticket.signature`` is valid for ``receiver_id`` (constant time)."""
+    return verify(secret, ticket, receiver_id, ticket.signature)
 
 
 def sign_blob(secret: bytes, blob: bytes) -> bytes:

@@ -1,7 +1,8 @@
 """Signed transfer tickets and the receiver's book of the tickets it issued.
 
 The receiving (decode) worker reserves pages, then *issues* a ticket naming
-them; the sender writes into exactly those pages. A ticket is single use. The
+them (or signs one itself and registers it with ``expect``); the sender writes
+into exactly those pages. A ticket is single use. The
 book decides its fate, which the worker reads through ``KVTransport.received``
 (pages ready to install) and ``KVTransport.rejected`` (free or recompute):
 
@@ -54,6 +55,10 @@ class TransferTicket:
     deadline: float
     signature: bytes = b""
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dst_pages", tuple(int(p) for p in self.dst_pages))
+        object.__setattr__(self, "signature", bytes(self.signature))
+
     @property
     def nbytes(self) -> int:
         return len(self.dst_pages) * self.page_nbytes
@@ -63,10 +68,9 @@ def make_ticket(secret: bytes, receiver_id: str, request_id: str, dst_pages: Seq
                 page_nbytes: int, deadline: float, ticket_id: str | None = None
                 ) -> TransferTicket:
     """A ticket signed for ``receiver_id`` (``ticket_id`` random unless given)."""
-    t = TransferTicket(str(request_id), ticket_id or secrets.token_hex(16),
-                       tuple(int(p) for p in dst_pages), int(page_nbytes), float(deadline))
-    return TransferTicket(t.request_id, t.ticket_id, t.dst_pages, t.page_nbytes, t.deadline,
-                          signing.sign(secret, t, receiver_id))
+    t = TransferTicket(str(request_id), ticket_id or secrets.token_hex(16), dst_pages,
+                       int(page_nbytes), float(deadline))
+    return signing.sign_ticket(t, secret, receiver_id)
 
 
 @dataclass(frozen=True)
@@ -106,7 +110,7 @@ class TicketBook:
     def __init__(self, secret: bytes, receiver_id: str, num_pages: int, page_nbytes: int,
                  grace_s: float = 2.0, clock: Callable[[], float] = time.time,
                  on_close: Callable[[tuple[int, ...]], None] | None = None,
-                 remember_closed: int = 4096):
+                 remember_closed: int = 4096, max_events: int = 65536):
         self.secret, self.receiver_id, self.on_close = secret, receiver_id, on_close
         self.num_pages, self.page_nbytes, self.grace_s, self.clock = (
             num_pages, page_nbytes, grace_s, clock)
@@ -114,20 +118,37 @@ class TicketBook:
         self._open: dict[str, _Entry] = {}
         self._closed: collections.OrderedDict[str, RejectReason | None] = collections.OrderedDict()
         self._remember = remember_closed
-        self._received: list[CompletedTransfer] = []
-        self._rejected: list[RejectedTransfer] = []
+        # Bounded: a worker that never drains them must not grow without limit.
+        self._received: collections.deque[CompletedTransfer] = collections.deque(maxlen=max_events)
+        self._rejected: collections.deque[RejectedTransfer] = collections.deque(maxlen=max_events)
 
     def issue(self, request_id: str, dst_pages: Sequence[int], ttl_s: float) -> TransferTicket:
+        self._check_pages(dst_pages)
+        t = make_ticket(self.secret, self.receiver_id, request_id, dst_pages, self.page_nbytes,
+                        self.clock() + ttl_s)
+        with self._lock:
+            self._open[t.ticket_id] = _Entry(t)
+        return t
+
+    def expect(self, ticket: TransferTicket) -> None:
+        """Open a ticket signed elsewhere for this receiver (verified here)."""
+        self._check_pages(ticket.dst_pages)
+        if ticket.page_nbytes != self.page_nbytes:
+            raise TransferArgumentError(
+                f"ticket pages are {ticket.page_nbytes} bytes, this pool's {self.page_nbytes}")
+        if not signing.verify(self.secret, ticket, self.receiver_id, ticket.signature):
+            raise TicketError(RejectReason.SIGNATURE, "ticket is not signed for this receiver")
+        with self._lock:
+            if ticket.ticket_id in self._open or ticket.ticket_id in self._closed:
+                raise TicketError(RejectReason.REUSED, f"ticket {ticket.ticket_id} is known")
+            self._open[ticket.ticket_id] = _Entry(ticket)
+
+    def _check_pages(self, dst_pages: Sequence[int]) -> None:
         pages = [int(p) for p in dst_pages]
         if not pages or len(set(pages)) != len(pages) or not all(
                 0 <= p < self.num_pages for p in pages):
             raise TransferArgumentError(
                 f"dst_pages must be distinct page ids in [0, {self.num_pages}), got {pages[:8]}")
-        t = make_ticket(self.secret, self.receiver_id, request_id, pages, self.page_nbytes,
-                        self.clock() + ttl_s)
-        with self._lock:
-            self._open[t.ticket_id] = _Entry(t)
-        return t
 
     def admit(self, ticket: TransferTicket, close_on_refusal: bool = False) -> _Entry:
         """Accept ``ticket`` for writing, or record the refusal and raise TicketError.
@@ -174,9 +195,13 @@ class TicketBook:
         """Call with ``entry.lock`` held: may bytes still be written for this ticket?"""
         return entry.open and self.clock() <= entry.ticket.deadline
 
-    def complete(self, ticket_id: str, nbytes: int, checksum: str | None) -> CompletedTransfer:
+    def complete(self, ticket_id: str, nbytes: int, checksum: str | None
+                 ) -> CompletedTransfer | None:
+        """Report an admitted ticket as received; None if it was closed meanwhile (expired)."""
         with self._lock:
-            entry = self._open.pop(ticket_id)
+            entry = self._open.pop(ticket_id, None)
+            if entry is None:
+                return None
             self._remember_closed(ticket_id, None)
         with entry.lock:
             entry.open = False
@@ -223,12 +248,14 @@ class TicketBook:
 
     def take_received(self) -> list[CompletedTransfer]:
         with self._lock:
-            out, self._received = self._received, []
+            out = list(self._received)
+            self._received.clear()
         return out
 
     def take_rejected(self) -> list[RejectedTransfer]:
         with self._lock:
-            out, self._rejected = self._rejected, []
+            out = list(self._rejected)
+            self._rejected.clear()
         return out
 
     def _remember_closed(self, ticket_id: str, reason: RejectReason | None) -> None:

