@@ -1,7 +1,8 @@
 """The ``nibble`` command: ``nibble serve`` (more subcommands register the same way).
 
 ``nibble serve`` builds the engine from the flags, puts the OpenAI gateway in
-front of it and runs uvicorn. SIGINT/SIGTERM stop accepting requests, let
+front of it and runs uvicorn (and, with ``--grpc-port``, the gRPC API beside it
+on the same event loop). SIGINT/SIGTERM stop accepting requests, let
 running ones finish for a few seconds (then abort them), shut the engine down
 and exit 0; a second signal forces the exit.
 """
@@ -79,6 +80,26 @@ async def _log_when_started(server, cfg: NibbleConfig, model_name: str) -> None:
              model_name, url, url, url)
 
 
+async def _start_grpc(engine, cfg: NibbleConfig, app):
+    """The gRPC API beside HTTP when --grpc-port is set (sharing the app's metrics and
+    in-flight set); None otherwise."""
+    if cfg.server.grpc_port is None:
+        return None
+    from .grpc_api import GrpcServer
+
+    grpc_server = GrpcServer(engine, cfg.server, metrics=app.state.metrics,
+                             inflight=app.state.inflight)
+    await grpc_server.start()
+    return grpc_server
+
+
+async def _stop_grpc_on_exit(server, grpc_server) -> None:
+    """Drain gRPC together with HTTP: start its graceful stop when a signal arrives."""
+    while not server.should_exit:
+        await asyncio.sleep(0.1)
+    await grpc_server.stop(GRACEFUL_SHUTDOWN_S)
+
+
 async def run_serve(cfg: NibbleConfig) -> int:
     """Build the engine, serve until a signal, shut everything down; returns the exit code."""
     from .engine.async_engine import build_engine   # heavy (torch, model code): import late
@@ -89,20 +110,29 @@ async def run_serve(cfg: NibbleConfig) -> int:
         engine = await DisaggEngine.start(cfg)
     else:
         engine = build_engine(cfg)
+    grpc_server = None
     try:
-        server = _make_server(create_app(engine, cfg.server), cfg)
+        app = create_app(engine, cfg.server)
+        server = _make_server(app, cfg)
+        grpc_server = await _start_grpc(engine, cfg, app)
         remove_handlers = _install_signal_handlers(server)
         announcer = asyncio.create_task(_log_when_started(server, cfg, engine.model_name))
+        stopper = (asyncio.create_task(_stop_grpc_on_exit(server, grpc_server))
+                   if grpc_server is not None else None)
         try:
             await server.serve()
         finally:
             announcer.cancel()
+            if stopper is not None:
+                stopper.cancel()
             remove_handlers()
         if not server.started:
             log.error("the HTTP server did not start (is port %d free?)", cfg.server.port)
             return 1
         return 0
     finally:
+        if grpc_server is not None:
+            await grpc_server.stop(GRACEFUL_SHUTDOWN_S)
         log.info("shutting down the engine")
         await engine.shutdown()
         log.info("bye")

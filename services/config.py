@@ -14,6 +14,7 @@ from nibble.kernels import KV_CACHE_FORMATS
 from .errors import ConfigError
 
 DEFAULT_PORT = 30000
+DEFAULT_GRPC_PORT = 30001          # what a bare --grpc-port means
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,7 @@ class ServerConfig:
     # Keys never show in repr (logs); the gateway redacts them from /get_server_info.
     api_keys: tuple[str, ...] = field(default=(), repr=False)        # guard /v1/*
     admin_api_keys: tuple[str, ...] = field(default=(), repr=False)  # guard the admin routes
+    grpc_port: int | None = None       # the gRPC API (services/grpc_api) beside HTTP; None = off
 
 
 @dataclass(frozen=True)
@@ -164,6 +166,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--admin-api-key", dest="admin_api_keys", action="append", default=None,
                    metavar="KEY", help="require this key on /flush_cache, /abort_request and "
                    "/get_server_info; repeatable (default: the --api-key keys)")
+    g.add_argument("--grpc-port", type=int, nargs="?", const=DEFAULT_GRPC_PORT, default=None,
+                   help=f"also serve the gRPC API (nibble.v1.Nibble, health, reflection) on "
+                        f"this port of --host; bare flag: {DEFAULT_GRPC_PORT} (default: off)")
 
 
 def config_from_args(ns: argparse.Namespace) -> NibbleConfig:
@@ -189,7 +194,7 @@ def config_from_args(ns: argparse.Namespace) -> NibbleConfig:
         device=DeviceConfig(ns.device, ns.attention_backend),
         server=ServerConfig(get("host", "127.0.0.1"), get("port", DEFAULT_PORT),
                             get("log_level", "info"), tuple(get("api_keys") or ()),
-                            tuple(get("admin_api_keys") or ())),
+                            tuple(get("admin_api_keys") or ()), get("grpc_port")),
     )
     validate(cfg)
     return cfg
@@ -224,3 +229,6 @@ def validate(cfg: NibbleConfig) -> None:
         raise ConfigError("--hicache-ratio and --hicache-size must be > 0")
     if cfg.model.context_length is not None and cfg.model.context_length <= 0:
         raise ConfigError("--context-length must be > 0")
+    g = cfg.server.grpc_port
+    if g is not None and (not 0 < g < 65536 or g == cfg.server.port):
+        raise ConfigError(f"--grpc-port must be in 1..65535 and differ from --port, got {g}")

@@ -45,6 +45,7 @@ class Orchestrator:
         self.transfers: collections.deque[Transfer] = collections.deque(maxlen=1000)
         self.counts = collections.Counter()
         self.inflight: dict[str, set[str]] = {}          # request id -> workers serving it
+        self.aborted: set[str] = set()                   # in flight, aborted by the client
         self.metrics = RayMetrics()
         self._poller: asyncio.Task | None = None
         self._incarnation: dict[str, str] = {}
@@ -103,8 +104,11 @@ class Orchestrator:
             async for out in self._serve(req, sent):
                 sent += out.new_token_ids
                 yield out
+                if req.request_id in self.aborted:
+                    return
         finally:
             self.inflight.pop(req.request_id, None)
+            self.aborted.discard(req.request_id)
 
     async def _serve(self, req: GenerateRequest, sent: list[int]):
         decision = self.router.choose(req.cache_salt or "", req.prompt_token_ids, self.page_size)
@@ -174,7 +178,7 @@ class Orchestrator:
             yield out
 
     async def _after_failure(self, req: GenerateRequest, d_name: str, error: str):
-        if self.dcfg.kv_transfer_failure_policy == "fail":
+        if self.dcfg.kv_transfer_failure_policy == "fail" or req.request_id in self.aborted:
             yield RequestOutput(req.request_id, [], "", True, FinishReason.ABORT,
                                 Usage(len(req.prompt_token_ids), 0),
                                 error=f"KV transfer failed: {error}")
@@ -188,7 +192,8 @@ class Orchestrator:
         """Run the rest of ``req`` (prompt + tokens already sent) on a live decode worker."""
         left = req.sampling.max_tokens - len(sent)
         live = [n for n in self.alive if self.roles[n] == "decode"]
-        if self.dcfg.kv_transfer_failure_policy == "fail" or not live or left <= 0:
+        if self.dcfg.kv_transfer_failure_policy == "fail" or not live or left <= 0 or \
+                req.request_id in self.aborted:
             yield RequestOutput(req.request_id, [], "", True, FinishReason.ABORT,
                                 Usage(len(req.prompt_token_ids), len(sent)), error=why)
             return
@@ -223,6 +228,8 @@ class Orchestrator:
 
     # ---- control ----
     async def abort(self, request_id: str) -> bool:
+        if request_id in self.inflight:
+            self.aborted.add(request_id)
         names = self.inflight.get(request_id, set())
         await asyncio.gather(*(self._quiet(self.alive[n].abort.remote(request_id))
                                for n in names if n in self.alive))

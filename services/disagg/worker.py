@@ -38,6 +38,8 @@ class EngineWorker:
         self.transport = create_transport(cfg.disagg.kv_transport)
         self.transport.attach(self.pool.pages)
         self.incarnation = os.urandom(8).hex()    # changes when Ray restarts the actor
+        self._tickets: dict[str, str] = {}        # request id -> open transfer ticket id
+        self.engine.core.handoff.on_release = self._revoke
         log.info("%s worker %s ready (%s transport)", role, worker_id, cfg.disagg.kv_transport)
 
     # ---- identity and state ----
@@ -78,8 +80,15 @@ class EngineWorker:
         """Reserve pages for ``req``'s prompt; returns a signed ticket for the prefill worker."""
         res = await self.engine.call(self.engine.core.handoff.reserve, req, lease_s)
         ticket = self.transport.issue_ticket(req.request_id, list(res.new_pages), deadline_s)
+        self._tickets[req.request_id] = ticket.ticket_id
         return {"ticket": ticket, "prefix_pages": len(res.prefix_pages),
                 "endpoint": self.transport.endpoint()}
+
+    def _revoke(self, request_id: str) -> None:
+        """Engine thread, before a reservation's pages are freed: refuse late writes."""
+        ticket_id = self._tickets.pop(request_id, None)
+        if ticket_id is not None:
+            self.transport.revoke(ticket_id)
 
     async def extend_lease(self, request_id: str, lease_s: float) -> bool:
         return await self.engine.call(self.engine.core.handoff.extend, request_id, lease_s)
@@ -98,6 +107,8 @@ class EngineWorker:
         if got != checksum:
             await self.cancel(req.request_id)
             raise TransferError(f"{req.request_id}: page checksum mismatch after transfer")
+        self._tickets.pop(req.request_id, None)          # complete: nothing left to revoke
+        self.transport.consume(ticket.ticket_id, ticket.nbytes)
         async for out in self.engine.generate_prefilled(req, first_token):
             yield out
 

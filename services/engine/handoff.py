@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from nibble.tiering import PageId
 
@@ -44,6 +45,9 @@ class Handoff:
         self.core = core
         self.reservations: dict[str, Reservation] = {}
         self.expired = 0
+        # Called with a request id just before its reserved pages are freed (not when
+        # installed): the worker revokes the transfer ticket so no late write lands.
+        self.on_release: Callable[[str], None] | None = None
 
     # ---- decode side ----
     def reserve(self, req: GenerateRequest, lease_s: float) -> Reservation:
@@ -85,6 +89,8 @@ class Handoff:
         res = self.reservations.pop(request_id, None)
         if res is None:
             return False
+        if self.on_release is not None:
+            self.on_release(request_id)
         self.core.pool.free(list(reversed(res.pages)))
         return True
 

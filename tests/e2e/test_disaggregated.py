@@ -165,3 +165,28 @@ def test_decode_actor_killed_mid_stream(server):
         time.sleep(1)
     assert chat(server.url).status_code == 200
     wait_idle(server)
+
+
+def test_client_abort_mid_prefill_frees_reserved_pages(server):
+    """A client that goes away during the transfer: reservation and held pages are freed."""
+    try:
+        httpx.post(f"{server.url}/v1/chat/completions", json=LONG, timeout=1.0)
+    except httpx.TimeoutException:
+        pass                                              # the client left during prefill
+    wait_idle(server, timeout=30)
+    assert chat(server.url).status_code == 200
+
+
+def test_nixl_transport_serves_the_same_answer(tmp_path_factory, colocated_answer):
+    srv = Server(tmp_path_factory.mktemp("disagg-nixl"),
+                 ARGS + ["--disaggregate", "--kv-transport", "nixl"])
+    try:
+        srv.wait_healthy()
+        r = chat(srv.url)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] == colocated_answer
+        t = info(srv)["transfers"]
+        assert t["transfer_success"] == 1 and t.get("transfer_failed", 0) == 0
+        wait_idle(srv)
+    finally:
+        srv.stop()

@@ -158,6 +158,21 @@ class KVTransport(abc.ABC):
         for a bad signature, TransferArgumentError for pages out of range."""
         self._attached_book().expect(ticket)
 
+    def revoke(self, ticket_id: str, detail: str = "reservation released") -> bool:
+        """Close an issued ticket before its pages are reused: later writes are refused.
+
+        gRPC refuses every chunk after this; NIXL cannot stop an RDMA write already
+        in flight (see nixl_transport), so callers keep ``grace_s`` before reuse there.
+        """
+        from .tickets import RejectReason
+        return self._attached_book().close(ticket_id, RejectReason.ABORTED, detail) is not None
+
+    def consume(self, ticket_id: str, nbytes: int) -> bool:
+        """The receiver verified the pages itself and now owns them: close the ticket for
+        good without scrubbing, so a late completion notice (NIXL delivers it only when
+        polled) can neither re-verify pages the receiver has since written nor zero them."""
+        return self._attached_book().complete(ticket_id, nbytes, None) is not None
+
     def received(self) -> list[CompletedTransfer]:
         """Tickets whose pages have fully landed (and passed every check) since the last call."""
         self._pump()

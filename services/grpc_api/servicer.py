@@ -1,0 +1,139 @@
+"""``nibble.v1.Nibble``: Generate, Abort, GetServerInfo, FlushCache over the engine.
+
+Generate streams one message per engine update. However a call ends early
+(the client cancels, its deadline passes, the server stops, an error), the
+engine gets ``abort(request_id)`` so the request's KV pages are freed; an
+error before the first message becomes the call's status (errors.py), as does
+an engine error after it. Requests are tracked like HTTP ones
+(gateway/tracking.py): same metrics, same in-flight set, so the HTTP
+``/abort_request`` can abort them too.
+
+Request ids: the engine gets a server-unique id; the caller names its request
+with ``request_id`` (or receives the engine's id), unique among its own
+requests in flight. ``Abort`` finds a caller's own requests by that name; an
+admin (or anyone, when API keys are off) may also name any engine id in flight.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+from fastapi.encoders import jsonable_encoder
+
+from nibble.proto.nibble.v1 import nibble_pb2 as pb
+from nibble.proto.nibble.v1 import nibble_pb2_grpc as pb_grpc
+
+from ..engine.types import GenerateRequest
+from ..errors import InvalidRequestError, NibbleError
+from ..gateway.admin import call_engine
+from ..gateway.auth import cache_namespace, redact_keys
+from ..gateway.serving import AbortGuard, EngineOutputError
+from ..gateway.tracking import tracked
+from ..metrics import Metrics
+from .auth import GrpcAuth
+from .convert import prepare, response
+from .errors import abort_with
+
+log = logging.getLogger(__name__)
+
+
+class NibbleServicer(pb_grpc.NibbleServicer):
+    def __init__(self, engine: Any, auth: GrpcAuth, metrics: Metrics, inflight: set[str]):
+        self.engine, self.auth, self.metrics, self.inflight = engine, auth, metrics, inflight
+        self.owned: dict[tuple[str | None, str], str] = {}   # (tenant, caller's id) -> engine id
+        self.closing = False                                  # set when the server stops
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+                       ) -> AsyncIterator[pb.GenerateResponse]:
+        caller = self.auth.caller(context.invocation_metadata())
+        try:
+            gen_req = prepare(self.engine, request).gen_req
+        except NibbleError as exc:
+            await abort_with(context, exc)
+        gen_req.cache_salt = cache_namespace(caller.tenant, gen_req.cache_salt)
+        name = request.request_id or gen_req.request_id
+        key = (caller.tenant, name)
+        if key in self.owned:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS,
+                                f"a request named '{name}' is already in flight")
+        self.owned[key] = gen_req.request_id
+        try:
+            async for msg in self._stream(gen_req, name, context):
+                yield msg
+        finally:
+            self.owned.pop(key, None)
+
+    async def _stream(self, gen_req: GenerateRequest, name: str,
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        rid = gen_req.request_id
+        guard = AbortGuard(self.engine, rid)
+        gen = tracked(self.engine.generate(gen_req), rid, self.metrics.start_request(),
+                      self.inflight)
+        failure: Exception | None = None
+        try:
+            async for out in gen:
+                if out.error:
+                    if out.finished:
+                        guard.finish()
+                    raise EngineOutputError(out.error)
+                if out.finished:
+                    guard.finish()
+                yield response(out, name)
+                if out.finished:
+                    break
+        except Exception as exc:  # noqa: BLE001 - becomes the call's status below
+            failure = exc
+        finally:
+            guard()              # cancelled, deadline passed or failed: free the engine's pages
+            await gen.aclose()
+        if failure is not None:
+            await abort_with(context, failure, closing=self.closing)
+
+    async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
+                    ) -> pb.AbortResponse:
+        caller = self.auth.caller(context.invocation_metadata())
+        if request.abort_all == bool(request.request_id):
+            await abort_with(context, InvalidRequestError(
+                "set either request_id or abort_all", param="request_id"))
+        if request.abort_all:
+            if not caller.admin:
+                await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                    "abort_all needs an admin API key (--admin-api-key)")
+            n = int(await call_engine(self.engine.abort_all))
+            log.info("gRPC Abort: aborted all requests (%d)", n)
+            return pb.AbortResponse(num_aborted=n)
+        rid = self.owned.get((caller.tenant, request.request_id))
+        if rid is None and caller.admin and request.request_id in self.inflight:
+            rid = request.request_id
+        if rid is None:
+            return pb.AbortResponse(num_aborted=0)
+        log.info("gRPC Abort: aborting %s", rid)
+        self.engine.abort(rid)
+        return pb.AbortResponse(num_aborted=1)
+
+    async def GetServerInfo(self, request: pb.GetServerInfoRequest,
+                            context: grpc.aio.ServicerContext) -> pb.ServerInfo:
+        try:
+            info = redact_keys(jsonable_encoder(await call_engine(self.engine.server_info)))
+        except Exception as exc:  # noqa: BLE001 - becomes the call's status
+            await abort_with(context, exc, closing=self.closing)
+        return pb.ServerInfo(model=self.engine.model_name,
+                             context_length=int(self.engine.context_length),
+                             json=json.dumps(info, separators=(",", ":")))
+
+    async def FlushCache(self, request: pb.FlushCacheRequest,
+                         context: grpc.aio.ServicerContext) -> pb.FlushCacheResponse:
+        try:
+            flushed = await call_engine(self.engine.flush_cache)
+        except Exception as exc:  # noqa: BLE001 - becomes the call's status
+            await abort_with(context, exc, closing=self.closing)
+        if not flushed:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "Cache not flushed: requests are running or queued; the prefix "
+                                "cache can only be flushed while the server is idle.")
+        log.info("prefix cache flushed (gRPC)")
+        return pb.FlushCacheResponse()
