@@ -11,7 +11,6 @@ import threading
 from collections import OrderedDict
 from typing import Callable
 
-import torch
 
 from nibble.kernels import PageLayout
 

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from .host_pool import HostPool
-from .page_record import PageHeader, PageRecordError, decode_page, encode_page
+from .page_record import PageRecordError, decode_page, encode_page
 
 log = logging.getLogger(__name__)
 BATCH = 64

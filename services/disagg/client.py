@@ -63,7 +63,9 @@ class DisaggEngine:
         secret = os.environ.get("NIBBLE_KV_SECRET") or secrets.token_hex(32)
         os.environ["NIBBLE_KV_SECRET"] = secret
         started = await asyncio.to_thread(_init_ray, cfg, secret)
-        cuda = torch.cuda.is_available() and cfg.device.device != "cpu"
+        # The gateway may have no GPU while the workers do: ask the cluster, not this process.
+        cuda = cfg.device.device == "cuda" or (
+            cfg.device.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
         roles = {f"nibble-prefill-{i}": "prefill" for i in range(cfg.disagg.prefill_workers)}
         roles |= {f"nibble-decode-{i}": "decode" for i in range(cfg.disagg.decode_workers)}
         workers = {}

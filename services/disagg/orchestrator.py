@@ -26,7 +26,7 @@ from nibble.kernels import PageLayout
 from ..config import NibbleConfig
 from ..engine.types import FinishReason, GenerateRequest, RequestOutput, Usage
 from .metrics import RayMetrics
-from .router import NoWorkerAvailableError, Router
+from .router import Router
 from .transfer_state import Transfer, TransferError, TransferState
 
 log = logging.getLogger(__name__)

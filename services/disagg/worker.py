@@ -27,6 +27,15 @@ from .transfer_state import TransferError
 log = logging.getLogger(__name__)
 
 
+def transport_options(kind: str) -> dict:
+    """gRPC listens on this node's Ray address, so peers on other nodes can reach it."""
+    if kind != "grpc":
+        return {}
+    import ray
+    ip = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+    return {"address": f"{ip}:0"}
+
+
 class EngineWorker:
     """Plain class; ``make_worker_class`` wraps it with ``ray.remote``."""
 
@@ -35,7 +44,8 @@ class EngineWorker:
         self.cfg, self.role, self.worker_id = cfg, role, worker_id
         self.engine = AsyncEngine(build_parts(cfg), cfg)
         self.pool = self.engine.core.pool
-        self.transport = create_transport(cfg.disagg.kv_transport)
+        self.transport = create_transport(cfg.disagg.kv_transport, **transport_options(
+            cfg.disagg.kv_transport))
         self.transport.attach(self.pool.pages)
         self.incarnation = os.urandom(8).hex()    # changes when Ray restarts the actor
         self._tickets: dict[str, str] = {}        # request id -> open transfer ticket id
@@ -158,10 +168,17 @@ class EngineWorker:
 
 
 def make_worker_class(role: str, num_gpus: float, num_cpus: float):
-    """``ray.remote`` classes named PrefillWorker / DecodeWorker for the dashboard."""
+    """``ray.remote`` classes named PrefillWorker / DecodeWorker for the dashboard.
+
+    Where the cluster's nodes advertise ``nibble_prefill`` / ``nibble_decode`` resources
+    (the Helm chart's worker groups), each actor asks for one, so roles land on their
+    own nodes.
+    """
     import ray
 
     name = {"prefill": "PrefillWorker", "decode": "DecodeWorker"}[role]
     cls = type(name, (EngineWorker,), {})
-    return ray.remote(num_gpus=num_gpus, num_cpus=num_cpus, max_restarts=-1,
-                      max_task_retries=0)(cls)
+    custom = f"nibble_{role}"
+    resources = {custom: 1} if custom in ray.cluster_resources() else None
+    return ray.remote(num_gpus=num_gpus, num_cpus=num_cpus, resources=resources,
+                      max_restarts=-1, max_task_retries=0)(cls)

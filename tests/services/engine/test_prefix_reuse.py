@@ -8,7 +8,7 @@ from nibble.kernels import PageLayout
 from nibble.services.engine.types import GenerateRequest, SamplingParams
 
 from .conftest import make_engine
-from .test_engine import PROMPT, alone, greedy, run_all
+from .test_engine import PROMPT, alone, run_all
 
 
 def req(rid, prompt=PROMPT, n=6, salt=None):

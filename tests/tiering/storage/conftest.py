@@ -8,11 +8,9 @@ come from ``tests/redis_fixtures.py``, loaded by the top-level conftest.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import pytest
-import redis
 import torch
 
 from nibble.kernels import PageLayout

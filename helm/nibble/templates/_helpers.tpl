@@ -1,0 +1,195 @@
+{{/* Names ---------------------------------------------------------------------------- */}}
+
+{{- define "nibble.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "nibble.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "nibble.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* KubeRay accepts RayCluster names of at most 53 characters (DNS-1035). */}}
+{{- define "nibble.rayClusterName" -}}
+{{- include "nibble.fullname" . | trunc 53 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* The GCS address of the head, through the Service KubeRay creates (<cluster>-head-svc). */}}
+{{- define "nibble.rayHeadAddress" -}}
+{{- printf "%s-head-svc.%s.svc.%s:6379" (include "nibble.rayClusterName" .) .Release.Namespace .Values.clusterDomain -}}
+{{- end -}}
+
+{{- define "nibble.secretName" -}}
+{{- default (printf "%s-secrets" (include "nibble.fullname" .)) .Values.auth.existingSecret -}}
+{{- end -}}
+
+{{- define "nibble.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "nibble.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "nibble.image" -}}
+{{- $tag := default (printf "%s-%s" .Chart.AppVersion .Values.image.flavor) .Values.image.tag -}}
+{{- printf "%s:%s" .Values.image.repository $tag -}}
+{{- end -}}
+
+{{/* Labels --------------------------------------------------------------------------- */}}
+
+{{/* Labels that select nothing; pod templates add them to their selector labels. */}}
+{{- define "nibble.metaLabels" -}}
+helm.sh/chart: {{ include "nibble.chart" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: nibble
+{{- end -}}
+
+{{- define "nibble.labels" -}}
+{{ include "nibble.metaLabels" . }}
+app.kubernetes.io/name: {{ include "nibble.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{/* Selector labels of one component; call with (dict "ctx" $ "component" "gateway"). */}}
+{{- define "nibble.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "nibble.name" .ctx }}
+app.kubernetes.io/instance: {{ .ctx.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{/* Pods that run a Ray node (metrics agent on 8080): Ray pods and, when disaggregated, the gateway. */}}
+{{- define "nibble.rayNodeLabel" -}}
+nibble.io/ray-node: "true"
+{{- end -}}
+
+{{/* Flags and redis -------------------------------------------------------------------- */}}
+
+{{/* A scalar as a command-line argument: whole numbers without exponent (1e+06 -> 1000000). */}}
+{{- define "nibble.scalar" -}}
+{{- if and (kindIs "float64" .) (eq . (floor .)) -}}
+{{- int64 . -}}
+{{- else -}}
+{{- . -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "nibble.chartRedis" -}}
+{{- if and .Values.hierarchicalCache.enabled (eq .Values.hierarchicalCache.storage "redis") (not .Values.redis.external.url) -}}
+true
+{{- end -}}
+{{- end -}}
+
+{{- define "nibble.redisUrl" -}}
+{{- printf "redis://%s-redis.%s.svc.%s:6379/0" (include "nibble.fullname" .) .Release.Namespace .Values.clusterDomain -}}
+{{- end -}}
+
+{{/* serve.args: one `nibble serve` argument per line. */}}
+{{- define "nibble.serveArgs" -}}
+--host
+0.0.0.0
+--port
+{{ .Values.gateway.httpPort }}
+{{- if .Values.gateway.grpc.enabled }}
+--grpc-port
+{{ .Values.gateway.grpc.port }}
+{{- end }}
+{{- if .Values.disaggregation.enabled }}
+--disaggregate
+--prefill-workers
+{{ .Values.ray.prefill.replicas }}
+--decode-workers
+{{ .Values.ray.decode.replicas }}
+--ray-address
+{{ include "nibble.rayHeadAddress" . }}
+{{- end }}
+{{- if .Values.hierarchicalCache.enabled }}
+--enable-hierarchical-cache
+--hicache-storage-backend
+{{ .Values.hierarchicalCache.storage }}
+{{- if include "nibble.chartRedis" . }}
+--hicache-storage-url
+{{ include "nibble.redisUrl" . }}
+{{- end }}
+{{- end }}
+{{- range $flag := keys .Values.serve.flags | sortAlpha }}
+{{- $v := index $.Values.serve.flags $flag }}
+{{- if kindIs "bool" $v }}
+{{- if $v }}
+--{{ $flag }}
+{{- end }}
+{{- else if not (kindIs "invalid" $v) }}
+--{{ $flag }}
+{{ include "nibble.scalar" $v }}
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* ray-start.args: the gateway joins the cluster as a Ray node that runs no actor. */}}
+{{- define "nibble.gatewayRayStartArgs" -}}
+--address={{ include "nibble.rayHeadAddress" . }}
+--num-cpus=0
+--num-gpus=0
+--object-store-memory={{ include "nibble.scalar" .Values.gateway.rayObjectStoreBytes }}
+--metrics-export-port=8080
+--disable-usage-stats
+{{- end -}}
+
+{{/* Pod pieces shared by the gateway and the Ray pods ----------------------------------- */}}
+
+{{- define "nibble.scratchVolumes" -}}
+- name: tmp
+  emptyDir:
+    sizeLimit: {{ .Values.scratch.tmpSizeLimit }}
+- name: home
+  emptyDir:
+    sizeLimit: {{ .Values.scratch.homeSizeLimit }}
+{{- if .Values.model.volume }}
+- name: model
+  {{- toYaml .Values.model.volume | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{- define "nibble.scratchMounts" -}}
+- name: tmp
+  mountPath: /tmp
+- name: home
+  mountPath: /home/nibble
+{{- if .Values.model.volume }}
+- name: model
+  mountPath: {{ .Values.model.mountPath }}
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{- define "nibble.shmVolume" -}}
+- name: dshm
+  emptyDir:
+    medium: Memory
+    sizeLimit: {{ .Values.ray.shmSize }}
+{{- end -}}
+
+{{- define "nibble.kvSecretEnv" -}}
+- name: NIBBLE_KV_SECRET
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "nibble.secretName" . }}
+      key: kv-secret
+- name: HOME
+  value: /home/nibble
+- name: RAY_USAGE_STATS_ENABLED
+  value: "0"
+{{- end -}}
