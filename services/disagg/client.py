@@ -13,7 +13,6 @@ import os
 import secrets
 from typing import AsyncIterator
 
-import torch
 
 from ..config import NibbleConfig
 from ..engine.async_engine import redacted_config
@@ -56,7 +55,7 @@ class DisaggEngine:
     async def start(cls, cfg: NibbleConfig) -> "DisaggEngine":
         import ray
 
-        from ..models.loader import load_model
+        from ..models.loader import load_tokenizer
         from .orchestrator import make_orchestrator_class
         from .worker import make_worker_class
 
@@ -76,12 +75,11 @@ class DisaggEngine:
         router = make_orchestrator_class().options(name="nibble-router", get_if_exists=True).remote(
             cfg, roles)
         meta = await router.start.remote()
-        loaded = await asyncio.to_thread(load_model, cfg.model.model_path, torch.float32,
-                                         torch.device("cpu"))
+        tokenizer = await asyncio.to_thread(load_tokenizer, cfg.model.model_path)
         log.info("disaggregated: %d prefill + %d decode workers over %s; Ray dashboard at %s",
                  cfg.disagg.prefill_workers, cfg.disagg.decode_workers, cfg.disagg.kv_transport,
                  ray.get_runtime_context().gcs_address if not started else "http://127.0.0.1:8265")
-        return cls(cfg, router, workers, meta, loaded.tokenizer, started)
+        return cls(cfg, router, workers, meta, tokenizer, started)
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
         if not req.prompt_token_ids:

@@ -76,6 +76,32 @@ def default_model_path() -> str:
     return path
 
 
+def resolve_model_path(model_path: str | None) -> str:
+    """The checkpoint file or directory a model path names (None = the embedded default)."""
+    path = default_model_path() if model_path is None else os.path.expanduser(model_path)
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        ggufs = sorted(glob.glob(os.path.join(path, "*.gguf")))
+        if len(ggufs) != 1:
+            raise ModelLoadError(f"{path} has no config.json and {len(ggufs)} .gguf files; "
+                                 "pass a HF checkpoint directory or one .gguf file")
+        path = ggufs[0]
+    return path
+
+
+def load_tokenizer(model_path: str | None) -> Tokenizer:
+    """Only the tokenizer and chat template of a checkpoint (no weights are read)."""
+    path = resolve_model_path(model_path)
+    if os.path.isfile(path) and path.lower().endswith(".gguf"):
+        f = gguf_file.GGUFFile(path)
+        arch = ModelArchConfig.from_gguf_metadata(f.metadata, {t.name for t in f.tensors})
+        return Tokenizer.from_gguf_metadata(f.metadata, arch.eos_token_ids)
+    gen = _read_json(os.path.join(path, "generation_config.json"))
+    gen_eos = gen.get("eos_token_id")
+    extra_eos = [] if gen_eos is None else gen_eos if isinstance(gen_eos, list) else [gen_eos]
+    arch = ModelArchConfig.from_hf_config(_read_json(os.path.join(path, "config.json")), extra_eos)
+    return Tokenizer.from_hf_dir(path, arch.eos_token_ids)
+
+
 def load_model(model_path: str | None, dtype: torch.dtype, device: torch.device) -> LoadedModel:
     """Load weights, tokenizer and architecture config.
 
@@ -86,15 +112,9 @@ def load_model(model_path: str | None, dtype: torch.dtype, device: torch.device)
         dtype: compute/storage dtype of the weights (GGUF tensors are dequantized).
         device: where the parameters live.
     """
-    path = default_model_path() if model_path is None else os.path.expanduser(model_path)
+    path = resolve_model_path(model_path)
     device = torch.device(device)
     start = time.perf_counter()
-    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
-        ggufs = sorted(glob.glob(os.path.join(path, "*.gguf")))
-        if len(ggufs) != 1:
-            raise ModelLoadError(f"{path} has no config.json and {len(ggufs)} .gguf files; "
-                                 "pass a HF checkpoint directory or one .gguf file")
-        path = ggufs[0]
     if os.path.isfile(path) and path.lower().endswith(".gguf"):
         model, arch, tok = _load_gguf(path, dtype, device)
         name = _QUANT_SUFFIX.sub("", os.path.basename(path)[: -len(".gguf")])
