@@ -14,13 +14,24 @@ CODE_FOLDERS = ("kernels", "tiering", "services", "proto", "bench")
 # generated stubs only (a leaf), which tiering's gRPC transport uses.
 ALLOWED = {"kernels": {"kernels"}, "proto": {"proto"},
            "tiering": {"kernels", "tiering", "proto"}}
+# Folders shipped under another package name (setup.py's RENAMED): the SDK is nibble.client,
+# standalone (it talks to a server over gRPC and imports only the stubs).
+RENAMED = {"services/client": "client"}
+ALLOWED_RENAMED = {"client": {"client", "proto"}}
+
+
+def _package_of(rel: pathlib.Path) -> str:
+    path = "/".join(rel.parts)
+    for folder, name in RENAMED.items():
+        if path == folder or path.startswith(folder + "/"):
+            path = name + path[len(folder):]
+    return "nibble/" + path
 
 
 def source_packages():
     for folder in CODE_FOLDERS:
         for init in sorted((ROOT / folder).rglob("__init__.py")):
-            rel = init.parent.relative_to(ROOT)
-            yield "nibble/" + "/".join(rel.parts)
+            yield _package_of(init.parent.relative_to(ROOT))
 
 
 @pytest.mark.slow
@@ -31,6 +42,9 @@ def test_wheel_contains_every_subpackage(tmp_path):
     names = set(zipfile.ZipFile(wheel).namelist())
     missing = [p for p in source_packages() if f"{p}/__init__.py" not in names]
     assert not missing, f"subpackages missing from the wheel: {missing}"
+    doubled = [folder for folder in RENAMED
+               if any(n.startswith(f"nibble/{folder}/") for n in names)]
+    assert not doubled, f"shipped twice (also under their folder's name): {doubled}"
     assert any(n.endswith(".py") and n.startswith("nibble/kernels/") for n in names)
 
 
@@ -43,12 +57,23 @@ def _our_imports(path: pathlib.Path):
             yield from (a.name for a in node.names)
 
 
-@pytest.mark.parametrize("folder", sorted(ALLOWED))
-def test_import_direction(folder):
+def _bad_imports(folder: str, allowed: set[str]) -> list[str]:
     bad = []
     for path in (ROOT / folder).rglob("*.py"):
         for mod in _our_imports(path):
             parts = mod.split(".")
-            if parts[0] == "nibble" and len(parts) > 1 and parts[1] not in ALLOWED[folder]:
+            if parts[0] == "nibble" and len(parts) > 1 and parts[1] not in allowed:
                 bad.append(f"{path.relative_to(ROOT)} imports {mod}")
+    return bad
+
+
+@pytest.mark.parametrize("folder", sorted(ALLOWED))
+def test_import_direction(folder):
+    bad = _bad_imports(folder, ALLOWED[folder])
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("folder", sorted(RENAMED))
+def test_renamed_packages_import_only_what_they_may(folder):
+    bad = _bad_imports(folder, ALLOWED_RENAMED[RENAMED[folder]])
     assert not bad, bad

@@ -66,7 +66,9 @@ class GrpcServer:
 
     async def start(self) -> int:
         """Bind and start serving; returns the bound port (useful with port 0)."""
-        server = grpc.aio.server(interceptors=[AuthInterceptor(self.auth)])
+        # No SO_REUSEPORT: a second server on a taken port must fail, not share it.
+        server = grpc.aio.server(interceptors=[AuthInterceptor(self.auth)],
+                                 options=[("grpc.so_reuseport", 0)])
         pb_grpc.add_NibbleServicer_to_server(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         names = (pb.DESCRIPTOR.services_by_name["Nibble"].full_name,
@@ -77,9 +79,13 @@ class GrpcServer:
         try:
             bound = server.add_insecure_port(address)
         except RuntimeError as exc:
-            raise GrpcBindError(f"cannot listen for gRPC on {address}: {exc}") from exc
+            bound, reason = 0, f": {exc}"
+        else:
+            reason = ""
         if not bound:
-            raise GrpcBindError(f"cannot listen for gRPC on {address} (is the port free?)")
+            await server.stop(None)
+            raise GrpcBindError(f"cannot listen for gRPC on {address}{reason} "
+                                "(is the port free?)")
         self.port = bound
         await self._set_health(self._healthy())
         await server.start()

@@ -28,7 +28,7 @@ from nibble.proto.nibble.v1 import nibble_pb2 as pb
 from nibble.proto.nibble.v1 import nibble_pb2_grpc as pb_grpc
 
 from ..engine.types import GenerateRequest
-from ..errors import InvalidRequestError, NibbleError
+from ..errors import InvalidRequestError
 from ..gateway.admin import call_engine
 from ..gateway.auth import cache_namespace, redact_keys
 from ..gateway.serving import AbortGuard, EngineOutputError
@@ -52,7 +52,7 @@ class NibbleServicer(pb_grpc.NibbleServicer):
         caller = self.auth.caller(context.invocation_metadata())
         try:
             gen_req = prepare(self.engine, request).gen_req
-        except NibbleError as exc:
+        except Exception as exc:  # noqa: BLE001 - INVALID_ARGUMENT, NOT_FOUND or INTERNAL
             await abort_with(context, exc)
         gen_req.cache_salt = cache_namespace(caller.tenant, gen_req.cache_salt)
         name = request.request_id or gen_req.request_id
