@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -9,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Iterator
 
 import httpx
 import pytest
@@ -58,3 +60,20 @@ class Server:
                 self.proc.wait()
         self._log.close()
         return self.proc.returncode
+
+
+@contextlib.contextmanager
+def running_server(tmp_path_factory, name: str, args: list[str]) -> Iterator[Server]:
+    """A healthy ``nibble serve`` for the duration of the block; stopped by PID after it."""
+    srv = Server(tmp_path_factory.mktemp(name), args)
+    try:
+        srv.wait_healthy()
+        yield srv
+    finally:
+        srv.stop()
+
+
+def openai_client(server: Server):
+    import openai
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0,
+                         timeout=120)

