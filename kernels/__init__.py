@@ -9,6 +9,7 @@ from .formats import KV_CACHE_FORMATS, KVCacheFormat, ElementFormat, get_kv_form
 from .fp8 import dequantize_fp8, quantize_fp8
 from .layout import LayerPages, PageLayout
 from .nvfp4 import dequantize_nvfp4, quantize_nvfp4
+from . import recipes  # registers the K-recipe KV formats (nvfp4_k46, nvfp4_khad*, fp8k_nvfp4v)
 from .paged_ref import (attention_ref, decode_attention_ref, gather_kv_ref, gather_rows_ref,
                         store_kv_ref)
 
