@@ -154,7 +154,27 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(serve)
     add_server_args(serve)
     serve.set_defaults(func=cmd_serve)
+    bench = sub.add_parser("bench", help="run a benchmark (each writes JSON and a plot)",
+                           description="Runs nibble.bench.<NAME>; the flags after NAME are "
+                                       "that benchmark's own (see `nibble bench NAME --help`).")
+    bench.add_argument("name", choices=sorted(BENCHMARKS))
+    bench.add_argument("args", nargs=argparse.REMAINDER)
+    bench.set_defaults(func=cmd_bench)
     return parser
+
+
+# `nibble bench NAME` -> module under nibble.bench
+BENCHMARKS = {"accuracy": "accuracy", "throughput": "throughput", "multiturn": "multiturn",
+              "tier-ttft": "tier_ttft", "tiers": "tiers", "transfer": "transfer",
+              "disagg-ttft": "disagg_ttft"}
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import importlib
+
+    module = importlib.import_module(f"nibble.bench.{BENCHMARKS[args.name]}")
+    module.main(args.args)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
