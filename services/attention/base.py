@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 
 from nibble.kernels.errors import KernelInputError
+from nibble.kernels.nvfp4 import e4m3_round
 
 
 @dataclass
@@ -61,6 +62,12 @@ class AttentionBackend(ABC):
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         """``q [T, Hq, D]``, ``k``/``v`` ``[T, H, D]`` (RoPE applied) -> ``[T, Hq, D]`` in q's dtype."""
+
+
+def fresh_kv(x: torch.Tensor, fp8: bool) -> torch.Tensor:
+    """Fresh K/V as prefill attends over them: ``--prefill-kv-dtype fp8_e4m3`` casts them to
+    float8_e4m3fn (RNE, saturating, as SGLang's recipe does) and they are quantized from there."""
+    return e4m3_round(x.float()) if fp8 else x
 
 
 ATTENTION_BACKENDS: dict[str, Callable[..., AttentionBackend]] = {}

@@ -12,9 +12,7 @@ import torch.nn.functional as F
 from nibble.kernels import gather_rows_ref, store_kv_ref
 from nibble.tiering import KVPool
 
-from .base import AttentionBackend, AttentionMetadata, register_backend
-
-FP8_MAX = 448.0
+from .base import AttentionBackend, AttentionMetadata, fresh_kv, register_backend
 
 
 def _rows(block_tables: torch.Tensor, b: int, n: int, page_size: int
@@ -63,16 +61,11 @@ class TorchAttentionBackend(AttentionBackend):
         else:
             self._dec = None
 
-    def _fresh(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.fp8_fresh:
-            return x
-        return x.float().clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         pages = self.pool.layer(layer)
         ks, vs = self.pool.scales(layer)
-        k, v = self._fresh(k), self._fresh(v)
+        k, v = fresh_kv(k, self.fp8_fresh), fresh_kv(v, self.fp8_fresh)
         dev = self.pool.device
         store_kv_ref(self.layout, pages, k.to(dev), v.to(dev), meta.slot_mapping.to(dev), ks, vs)
         k, v = k.to(q.dtype), v.to(q.dtype)

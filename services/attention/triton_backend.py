@@ -37,9 +37,8 @@ from nibble.kernels.triton._common import FORMAT_CODES
 from nibble.tiering import KVPool
 
 from ..errors import ConfigError
-from .base import AttentionBackend, AttentionMetadata, register_backend
+from .base import AttentionBackend, AttentionMetadata, fresh_kv, register_backend
 from .decode_select import CUDA_SM90, DecodeChoice, confirm_group, select_decode_impl
-from .torch_backend import FP8_MAX
 
 DECODE_HEAD_DIMS = (64, 128, 256)
 log = logging.getLogger(__name__)
@@ -186,11 +185,6 @@ class TritonAttentionBackend(AttentionBackend):
 
     # ------------------------------------------------------------------ per layer
 
-    def _fresh(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.fp8_fresh:
-            return x
-        return x.float().clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         """``q [T, Hq, D]``, ``k``/``v`` ``[T, H, D]`` on the pool's device -> ``[T, Hq, D]``.
@@ -199,7 +193,7 @@ class TritonAttentionBackend(AttentionBackend):
         """
         pages = self.pool.layer(layer)
         ks, vs = self._scales[layer]
-        k, v = self._fresh(k), self._fresh(v)
+        k, v = fresh_kv(k, self.fp8_fresh), fresh_kv(v, self.fp8_fresh)
         store_kv(self.layout, pages, k, v, self._slots, ks, vs)
         out = torch.empty_like(q)
         if meta.prefill or meta.extend:

@@ -30,6 +30,8 @@ from typing import Callable, ClassVar, Iterable, Sequence, TypeVar
 
 from nibble.kernels.errors import NibbleError
 
+from ..registry import ClassRegistry
+
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_VALUE_BYTES = 64 << 20
@@ -309,32 +311,18 @@ class StorageBackend(ABC):
 
 # ---------------------------------------------------------------- registry
 
-_BACKENDS: dict[str, type[StorageBackend]] = {}
+_BACKENDS: ClassRegistry = ClassRegistry(StorageBackend, "storage backend", StorageArgumentError)
 
 
 def register_storage_backend(name: str) -> Callable[[type[StorageBackend]], type[StorageBackend]]:
     """Class decorator: make a backend available to ``create_storage_backend(name, ...)``."""
-    def deco(cls: type[StorageBackend]) -> type[StorageBackend]:
-        if not (isinstance(cls, type) and issubclass(cls, StorageBackend)):
-            raise StorageArgumentError(f"{cls!r} is not a StorageBackend subclass")
-        prev = _BACKENDS.get(name)
-        if prev is not None and (prev.__module__, prev.__qualname__) != (
-                cls.__module__, cls.__qualname__):
-            raise StorageArgumentError(f"storage backend {name!r} is already {prev.__qualname__}")
-        cls.name = name
-        _BACKENDS[name] = cls
-        return cls
-    return deco
+    return _BACKENDS.register(name)
 
 
 def storage_backend_names() -> list[str]:
-    return sorted(_BACKENDS)
+    return _BACKENDS.names()
 
 
 def create_storage_backend(name: str, url_or_path: str, **opts) -> StorageBackend:
     """Build a registered backend: ``redis`` takes a URL, ``file`` a directory."""
-    cls = _BACKENDS.get(name)
-    if cls is None:
-        raise StorageArgumentError(
-            f"unknown storage backend {name!r}; known: {', '.join(storage_backend_names())}")
-    return cls(url_or_path, **opts)
+    return _BACKENDS.get(name)(url_or_path, **opts)

@@ -36,6 +36,7 @@ import torch
 
 from . import signing
 from .endpoint import Endpoint, decode_endpoint
+from ..registry import ClassRegistry
 from .errors import TransferArgumentError
 from .tickets import CompletedTransfer, RejectedTransfer, TicketBook, TransferTicket
 
@@ -246,26 +247,16 @@ class KVTransport(abc.ABC):
         return peer, src, TransferHandle(ticket, peer.endpoint_id, ticket.nbytes, now, give_up)
 
 
-_TRANSPORTS: dict[str, type[KVTransport]] = {}
+_TRANSPORTS: ClassRegistry = ClassRegistry(KVTransport, "KV transport", TransferArgumentError)
 
 
 def register_transport(name: str) -> Callable[[type[KVTransport]], type[KVTransport]]:
     """Class decorator: make a transport available to ``create_transport(name, ...)``."""
-    def deco(cls: type[KVTransport]) -> type[KVTransport]:
-        if not (isinstance(cls, type) and issubclass(cls, KVTransport)):
-            raise TransferArgumentError(f"{cls!r} is not a KVTransport subclass")
-        prev = _TRANSPORTS.get(name)
-        if prev is not None and (prev.__module__, prev.__qualname__) != (
-                cls.__module__, cls.__qualname__):
-            raise TransferArgumentError(f"transport {name!r} is already {prev.__qualname__}")
-        cls.name = name
-        _TRANSPORTS[name] = cls
-        return cls
-    return deco
+    return _TRANSPORTS.register(name)
 
 
 def transport_names() -> list[str]:
-    return sorted(_TRANSPORTS)
+    return _TRANSPORTS.names()
 
 
 def create_transport(name: str, **opts) -> KVTransport:
@@ -274,8 +265,4 @@ def create_transport(name: str, **opts) -> KVTransport:
     Raises TransferArgumentError for an unknown name and
     TransportUnavailableError when the transport cannot start here.
     """
-    cls = _TRANSPORTS.get(name)
-    if cls is None:
-        raise TransferArgumentError(
-            f"unknown KV transport {name!r}; known: {', '.join(transport_names())}")
-    return cls(**opts)
+    return _TRANSPORTS.get(name)(**opts)
