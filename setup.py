@@ -25,5 +25,6 @@ for root, folder in [*((f"nibble.{f}", f) for f in CODE_FOLDERS), *RENAMED.items
 setup(
     packages=packages,
     package_dir=package_dir,
-    package_data={"nibble.proto": ["**/*.proto"], "nibble.services": ["**/*.jinja"]},
+    package_data={"nibble.proto": ["**/*.proto"], "nibble.services": ["**/*.jinja"],
+                  "nibble.bench": ["models/*/config.json"]},
 )

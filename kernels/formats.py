@@ -11,7 +11,10 @@ nvfp4      D / 2               D / 16 (E4M3 per 16)
 =========  ==================  ===================
 
 A *KV cache format* (what ``--kv-cache-dtype`` names) picks one element format
-for K and one for V, so mixed formats are one registry entry.
+for K and one for V, so mixed formats are one registry entry. It may also name a
+calibrated :class:`KRecipe` (``nvfp4``, the default 4-bit format, does; the
+uncalibrated NVFP4 is ``nvfp4_plain``): a per-model transform of q and K applied
+before K is stored, whose parameters the pool holds (see ``recipes.py``).
 """
 
 from __future__ import annotations
@@ -70,12 +73,38 @@ NVFP4 = ElementFormat("nvfp4", lambda d: d // 2, lambda d: d // BLOCK,
 
 
 @dataclass(frozen=True)
+class KRecipe:
+    """A calibrated transform of q and K (and V) applied before K is stored.
+
+    The parameters are computed per model (``recipes.calibrate_recipe``) and live
+    in the KV pool beside the global scales; they are part of the stored format.
+
+    ``center``: ``"mean"`` subtracts the per-channel mean of the calibration keys;
+    ``"sink"`` subtracts their attention-weighted mean, nudged so that the first
+    token's key (the attention sink) is stored exactly.
+    ``transform``: ``"none"``; ``"diag"`` (per-channel smoothing ``s``: K / s is
+    stored and q * s attends); ``"balanced"`` (a D x D map balancing the
+    attention-weighted second moments of q and K, then a Hadamard rotation).
+    ``center_v``: also center V (the attention output gets the V shift back).
+    """
+
+    center: str = "sink"
+    transform: str = "none"
+    center_v: bool = False
+
+    def __post_init__(self) -> None:
+        if self.center not in ("mean", "sink") or self.transform not in ("none", "diag", "balanced"):
+            raise KernelInputError(f"bad K recipe {self}")
+
+
+@dataclass(frozen=True)
 class KVCacheFormat:
-    """A named pair of element formats: one for K, one for V."""
+    """A named pair of element formats: one for K, one for V (and an optional K recipe)."""
 
     name: str
     k: ElementFormat
     v: ElementFormat
+    k_recipe: KRecipe | None = None
 
     def bytes_per_token_per_layer(self, num_kv_heads: int, head_dim: int) -> int:
         """Bytes one token occupies in one layer, K and V, codes and scales."""
@@ -103,4 +132,8 @@ def get_kv_format(name: str) -> KVCacheFormat:
 
 register_kv_format(KVCacheFormat("bf16", BF16, BF16))
 register_kv_format(KVCacheFormat("fp8_e4m3", FP8_E4M3, FP8_E4M3))
-register_kv_format(KVCacheFormat("nvfp4", NVFP4, NVFP4))
+# The default 4-bit format: NVFP4 K and V with the calibrated K recipe (centering with an
+# exact attention sink, balanced smoothing + Hadamard folded into q); docs/accuracy.md.
+DEFAULT_K_RECIPE = KRecipe(center="sink", transform="balanced")
+register_kv_format(KVCacheFormat("nvfp4", NVFP4, NVFP4, DEFAULT_K_RECIPE))
+register_kv_format(KVCacheFormat("nvfp4_plain", NVFP4, NVFP4))

@@ -25,14 +25,29 @@ the decode path dequantizes it exactly like the plain format.
 ``fp8k_nvfp4v`` (FP8 E4M3 K, NVFP4 V)
     A mixed format. For SmolLM2 (3 KV heads, D = 64) a token-layer costs
     3 * (64 + 32 + 4) = 300 bytes against FP8's 384: 1.28x FP8's tokens.
+
+Calibrated recipes (a :class:`~.formats.KRecipe` on the format; ``nvfp4``,
+``nvfp4_kmean``, ``nvfp4_kc``, ``nvfp4_kcs``, ``nvfp4_kcb``, ``nvfp4_kcb_vc``)
+    Plain NVFP4 element layouts, so every kernel reads them; what changes is
+    what is stored. Per layer and KV head, :func:`calibrate_recipe` computes a
+    shift ``c [D]`` and a map ``M [D, D]`` from one calibration sequence; the
+    backends then store ``k' = (k - c) @ M`` and attend with ``q' = q @ M^-T``
+    over every key (fresh or cached), so ``q' . k' = q . k - q . c``: one
+    constant per query, which softmax ignores. See :class:`RecipeParams`.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
 import torch
 
 from .errors import KernelInputError, NonFiniteInputError
-from .formats import FP8_E4M3, NVFP4, ElementFormat, KVCacheFormat, register_kv_format
+from .formats import (DEFAULT_K_RECIPE, FP8_E4M3, NVFP4, ElementFormat, KRecipe, KVCacheFormat,
+                      register_kv_format)
 from .nvfp4 import (BLOCK, E2M1_MAX, _check_global_scale, _pair_lut, dequantize_nvfp4,
                     e2m1_encode, e4m3_round, pack_nibbles, quantize_nvfp4)
 
@@ -138,3 +153,253 @@ register_kv_format(KVCacheFormat("nvfp4_k46", NVFP4_K46, NVFP4))
 register_kv_format(KVCacheFormat("nvfp4_khad", NVFP4_HAD, NVFP4))
 register_kv_format(KVCacheFormat("nvfp4_khad46", NVFP4_HAD46, NVFP4))
 register_kv_format(KVCacheFormat("fp8k_nvfp4v", FP8_E4M3, NVFP4))
+
+
+# ------------------------------------------------------------------ calibrated recipes
+
+SINK_TOKENS = 1        # leading calibration tokens treated as the attention sink
+RIDGE = 1e-3           # relative ridge on the second moments of the balanced map
+
+
+@dataclass(frozen=True, eq=False)
+class RecipeParams:
+    """Calibrated parameters of a :class:`~.formats.KRecipe` for one model.
+
+    ``k_shift`` ``[L, H, D]``; ``k_map`` / ``q_map`` ``[L, H, D, D]`` or None
+    (identity); ``v_shift`` ``[L, H, D]`` or None; ``k_bias`` ``[L, H, 1, D]``
+    = ``-(k_shift @ k_map)`` (derived). K is stored as ``(k - k_shift) @ k_map``;
+    queries attend as ``q @ q_map`` with ``q_map = k_map^-T`` (the query heads of
+    a KV head's group share it), so every score drops by the same
+    ``q . k_shift``. V is stored as ``v - v_shift`` and the attention output gets
+    ``v_shift`` back (the probabilities sum to 1). ``digest`` names the (fp32)
+    parameters: pages written under one digest are only valid under it. The
+    tensors are fp32 on CPU as created; :meth:`to` gives a device/dtype copy.
+    """
+
+    recipe: KRecipe
+    k_shift: torch.Tensor
+    k_map: torch.Tensor | None
+    q_map: torch.Tensor | None
+    v_shift: torch.Tensor | None
+    digest: str
+    k_bias: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.k_map is not None and self.k_bias is None:
+            bias = -torch.einsum("lhd,lhde->lhe", self.k_shift.double(), self.k_map.double())
+            object.__setattr__(self, "k_bias", bias.unsqueeze(2).to(self.k_shift.dtype))
+
+    @classmethod
+    def create(cls, recipe: KRecipe, k_shift: torch.Tensor, k_map: torch.Tensor | None,
+               v_shift: torch.Tensor | None) -> "RecipeParams":
+        """Parameters from ``k_shift``, ``k_map`` (``q_map`` is derived) and ``v_shift``."""
+        f32 = lambda t: None if t is None else t.detach().to("cpu", torch.float32).contiguous()  # noqa: E731
+        k_shift, k_map, v_shift = f32(k_shift), f32(k_map), f32(v_shift)
+        q_map = None if k_map is None else f32(torch.linalg.inv(k_map.double()).mT)
+        h = hashlib.sha256(json.dumps(recipe.__dict__, sort_keys=True).encode())
+        for t in (k_shift, k_map, v_shift):
+            h.update(b"-" if t is None else t.numpy().tobytes())
+        for t in (k_shift, k_map, q_map, v_shift):
+            if t is not None and not torch.isfinite(t).all():
+                raise NonFiniteInputError("K recipe calibration produced non-finite parameters")
+        return cls(recipe, k_shift, k_map, q_map, v_shift, h.hexdigest()[:16])
+
+    @classmethod
+    def identity(cls, recipe: KRecipe, num_layers: int, num_kv_heads: int, head_dim: int
+                 ) -> "RecipeParams":
+        """Parameters that change nothing (zero shifts, identity maps), digest ""."""
+        shape = (num_layers, num_kv_heads, head_dim)
+        eye = torch.eye(head_dim).expand(*shape, head_dim).contiguous()
+        maps = None if recipe.transform == "none" else eye
+        return cls(recipe, torch.zeros(shape), maps, None if maps is None else eye.clone(),
+                   torch.zeros(shape) if recipe.center_v else None, "")
+
+    _TENSORS = ("k_shift", "k_map", "q_map", "v_shift", "k_bias")
+
+    def load_(self, other: "RecipeParams") -> None:
+        """Copy ``other``'s values into these tensors in place (a captured CUDA graph keeps
+        reading them); same recipe and shapes."""
+        if other.recipe != self.recipe or other.shape != self.shape:
+            raise KernelInputError(f"cannot load {other.recipe} {other.shape} into "
+                                   f"{self.recipe} {self.shape}")
+        for name in self._TENSORS:
+            dst = getattr(self, name)
+            if dst is not None:
+                dst.copy_(getattr(other, name))
+        object.__setattr__(self, "digest", other.digest)
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """``(num_layers, num_kv_heads, head_dim)``."""
+        return tuple(self.k_shift.shape)
+
+    def to(self, device: torch.device | str, dtype: torch.dtype = torch.float32
+           ) -> "RecipeParams":
+        """The same parameters (and digest) on ``device`` in ``dtype`` (the compute dtype:
+        q and K are transformed in it, accumulating in fp32 inside the matmuls)."""
+        mv = lambda t: None if t is None else t.to(device, dtype)  # noqa: E731
+        return RecipeParams(self.recipe, *(mv(getattr(self, n)) for n in self._TENSORS[:4]),
+                            self.digest, mv(self.k_bias))
+
+    def apply(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``q [T, Hq, D]``, ``k``/``v`` ``[T, H, D]`` (the parameters' dtype and device) ->
+        the transformed q, k, v, same shapes (k may be a strided view). Two batched matmuls
+        per layer: ``k @ k_map + k_bias`` (the shift folded into the bias) and ``q @ q_map``."""
+        if self.k_map is None:
+            k = k - self.k_shift[layer]
+        else:
+            t, h, d = k.shape
+            k = torch.baddbmm(self.k_bias[layer], k.transpose(0, 1), self.k_map[layer])
+            k = k.transpose(0, 1)
+            q = torch.einsum("thgd,hde->thge", q.reshape(t, h, -1, d),
+                             self.q_map[layer]).reshape(q.shape)
+        if self.v_shift is not None:
+            v = v - self.v_shift[layer]
+        return q, k, v
+
+    def finish(self, layer: int, out: torch.Tensor) -> torch.Tensor:
+        """Attention output ``[T, Hq, D]`` -> plus the V shift of each query head's KV head."""
+        if self.v_shift is None:
+            return out
+        t, hq, d = out.shape
+        h = self.v_shift.shape[1]
+        return (out.reshape(t, h, hq // h, d) + self.v_shift[layer][:, None]).reshape(t, hq, d)
+
+
+def _key_weights(q: torch.Tensor, k: torch.Tensor, sm_scale: float, window: int | None
+                 ) -> torch.Tensor:
+    """float64 ``[H, T]`` (CPU): attention mass each key receives from every query of the
+    calibration sequence and every query head of its group (causal, optionally windowed)."""
+    t, h, d = k.shape
+    s = torch.einsum("thgd,shd->hgts", q.reshape(t, h, -1, d), k) * sm_scale
+    pos = torch.arange(t, device=k.device)
+    rel = pos[:, None] - pos[None, :]
+    vis = (rel >= 0) if window is None else (rel >= 0) & (rel < window)
+    p = s.masked_fill(~vis, float("-inf")).softmax(-1)
+    return p.sum((1, 2)).double().cpu()
+
+
+def _psd_sqrt(a: torch.Tensor) -> torch.Tensor:
+    w, u = torch.linalg.eigh(a)
+    return (u * w.clamp_min(0).sqrt()) @ u.mT
+
+
+def _balanced_map(sk: torch.Tensor, sq: torch.Tensor) -> torch.Tensor:
+    """float64 ``[D, D]`` map ``M`` with ``M^T Sk M = M^-1 Sq M^-T`` (diagonal): K and q get
+    the same second moments, which minimises ``E|q'|^2 * E|k'|^2`` over invertible maps."""
+    d = sk.shape[0]
+    eye = torch.eye(d, dtype=sk.dtype)
+    sk = sk + (RIDGE * sk.trace() / d + 1e-12) * eye
+    sq = sq + (RIDGE * sq.trace() / d + 1e-12) * eye
+    root = _psd_sqrt(sk)
+    lam, u = torch.linalg.eigh(root @ sq @ root)
+    return torch.linalg.inv(root) @ u * lam.clamp_min(1e-30) ** 0.25
+
+
+def _rotation(d: int) -> torch.Tensor:
+    """float64 ``[d, d]``: the Hadamard matrix where ``d`` is a power of 2, else the identity."""
+    if d & (d - 1):
+        return torch.eye(d, dtype=torch.float64)
+    return hadamard(d).double()
+
+
+def _layer_map(transform: str, q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor
+               ) -> torch.Tensor | None:
+    """``M [H, D, D]`` float64 for centered ``keys [S, H, D]`` weighted by ``w [H, S]``."""
+    if transform == "none":
+        return None
+    s_, h, d = keys.shape
+    qg = q[-s_:].reshape(s_, h, -1, d)
+    if transform == "diag":
+        s = (keys.abs().amax(0) / qg.abs().amax((0, 2)).clamp_min(1e-12)).clamp_min(1e-12).sqrt()
+        m = torch.diag_embed(1.0 / s)
+    else:
+        sk = torch.einsum("hs,shd,she->hde", w, keys, keys)
+        qf = qg.transpose(0, 1).reshape(h, -1, d)
+        sq = qf.mT @ qf / qf.shape[1]
+        m = torch.stack([_balanced_map(sk[i], sq[i]) for i in range(h)]) @ _rotation(d)
+    # Keep k' as large as k - c (RMS over the calibration keys): E4M3 block scales stay normal.
+    before = keys.square().mean((0, 2)).sqrt()
+    after = torch.einsum("shd,hde->she", keys, m).square().mean((0, 2)).sqrt()
+    ratio = torch.where(after > 0, before / after, torch.ones_like(after))
+    return m * ratio[:, None, None]
+
+
+def _calibrate_layer(recipe: KRecipe, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     sm_scale: float, window: int | None,
+                     k_roundtrip: Callable[[torch.Tensor], torch.Tensor],
+                     v_roundtrip: Callable[[torch.Tensor], torch.Tensor]):
+    """``(k_shift [H, D], M [H, D, D] or None, v_shift [H, D] or None)``, float64 on CPU."""
+    kd = k.double().cpu()
+    t, h, _ = kd.shape
+    keys = kd[SINK_TOKENS:]
+    if recipe.center == "sink" or recipe.transform == "balanced":
+        w = _key_weights(q, k, sm_scale, window)[:, SINK_TOKENS:]
+    else:
+        w = torch.ones(h, t - SINK_TOKENS, dtype=torch.float64)
+    w = w / w.sum(-1, keepdim=True)
+    mean = torch.einsum("hs,shd->hd", w, keys)
+    m = _layer_map(recipe.transform, q.double().cpu(), keys - mean, w)
+    shift = mean
+    if recipe.center == "sink":
+        # Nudge the shift so the sink's k' lies on the NVFP4 grid: it is stored exactly.
+        y = kd[0] - mean
+        y = y if m is None else torch.einsum("hd,hde->he", y, m)
+        y = k_roundtrip(y.float()).double()
+        shift = kd[0] - (y if m is None else torch.einsum("he,hed->hd", y, torch.linalg.inv(m)))
+    v_shift = None
+    if recipe.center_v:
+        vd = v.double().cpu()
+        v0 = vd[0] - vd[SINK_TOKENS:].mean(0)
+        v_shift = vd[0] - v_roundtrip(v0.float()).double()
+    return shift, m, v_shift
+
+
+def element_roundtrip(fmt: ElementFormat, global_scale: float) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``x -> dequantize(quantize(x))`` in fp32 for one element format and global scale."""
+    def rt(x: torch.Tensor) -> torch.Tensor:
+        data, scales = fmt.quantize(x, global_scale)
+        return fmt.dequantize(data, scales, global_scale, torch.float32)
+    return rt
+
+
+def calibrate_recipe(recipe: KRecipe, captures: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+                     sm_scale: float, k_fmt: ElementFormat, v_fmt: ElementFormat,
+                     global_scales: torch.Tensor, windows: Sequence[int | None] = ()
+                     ) -> RecipeParams:
+    """Parameters of ``recipe`` from one calibration sequence run through the model.
+
+    Args:
+        captures: per layer ``(q [T, Hq, D], k [T, H, D], v [T, H, D])`` as the
+            attention backend receives them (RoPE applied), the sequence starting
+            at position 0 (its first token is the attention sink), ``T > 1``.
+        sm_scale: the model's softmax scale.
+        k_fmt, v_fmt: the element formats K and V are stored in.
+        global_scales: float32 ``[L, 2]`` (K, V), the pool's.
+        windows: per-layer sliding windows (None = full), or empty.
+    Returns:
+        :class:`RecipeParams` with ``[L, H, D]`` shifts (and ``[L, H, D, D]`` maps).
+    """
+    if not captures or captures[0][1].shape[0] <= SINK_TOKENS + 1:
+        raise KernelInputError("K recipe calibration needs a sequence of at least 3 tokens")
+    shifts, maps, v_shifts = [], [], []
+    for layer, (q, k, v) in enumerate(captures):
+        gk, gv = (float(x) for x in global_scales[layer])
+        shift, m, v_shift = _calibrate_layer(
+            recipe, q.float(), k.float(), v.float(), sm_scale, windows[layer] if windows else None,
+            element_roundtrip(k_fmt, gk), element_roundtrip(v_fmt, gv))
+        shifts.append(shift)
+        maps.append(m)
+        v_shifts.append(v_shift)
+    return RecipeParams.create(recipe, torch.stack(shifts),
+                               None if maps[0] is None else torch.stack(maps),
+                               None if v_shifts[0] is None else torch.stack(v_shifts))
+
+
+_KCB = DEFAULT_K_RECIPE                     # nvfp4_kcb is the default nvfp4 under its own name
+for _name, _k, _recipe in [("nvfp4_kmean", NVFP4, KRecipe("mean")), ("nvfp4_kc", NVFP4, KRecipe()),
+                           ("nvfp4_kcs", NVFP4, KRecipe("sink", "diag")), ("nvfp4_kcb", NVFP4, _KCB),
+                           ("nvfp4_kcb_vc", NVFP4, KRecipe("sink", "balanced", True)),
+                           ("nvfp4_kcb46", NVFP4_K46, _KCB)]:
+    register_kv_format(KVCacheFormat(_name, _k, NVFP4, _recipe))

@@ -166,7 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
 # `nibble bench NAME` -> module under nibble.bench
 BENCHMARKS = {"accuracy": "accuracy", "throughput": "throughput", "multiturn": "multiturn",
               "tier-ttft": "tier_ttft", "tiers": "tiers", "transfer": "transfer",
-              "disagg-ttft": "disagg_ttft"}
+              "disagg-ttft": "disagg_ttft", "serving": "serving", "agentic": "agentic",
+              "e2e": "e2e"}
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

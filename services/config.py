@@ -23,6 +23,7 @@ class ModelConfig:
     served_model_name: str | None = None   # name in /v1/models; default derived from the path
     dtype: str = "auto"                    # compute dtype: auto|float32|bfloat16|float16
     context_length: int | None = None      # cap on prompt + output tokens; None = model's
+    load_format: str = "auto"              # auto: read weights; dummy: random weights (benchmarks)
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,8 @@ class DisaggConfig:
 class DeviceConfig:
     device: str = "auto"                   # auto|cpu|cuda
     attention_backend: str = "auto"        # auto|torch|triton
+    disable_cuda_graph: bool = False       # CUDA only: run decode steps eagerly
+    cuda_graph_max_bs: int = 64            # largest decode batch replayed from a captured graph
 
 
 @dataclass(frozen=True)
@@ -107,6 +110,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--served-model-name", default=None)
     g.add_argument("--dtype", default=d.model.dtype, choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--context-length", type=int, default=None)
+    g.add_argument("--load-format", default=d.model.load_format, choices=["auto", "dummy"],
+                   help="dummy: random weights from the model's config.json (speed benchmarks; "
+                        "without tokenizer files a numeric tokenizer is used)")
     g = p.add_argument_group("KV cache")
     g.add_argument("--kv-cache-dtype", default=d.cache.kv_cache_dtype,
                    choices=["auto", *sorted(KV_CACHE_FORMATS)])
@@ -152,6 +158,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default=d.device.device, choices=["auto", "cpu", "cuda"])
     g.add_argument("--attention-backend", default=d.device.attention_backend,
                    choices=["auto", "torch", "triton"])
+    g.add_argument("--disable-cuda-graph", action="store_true",
+                   help="run decode steps eagerly instead of replaying captured CUDA graphs")
+    g.add_argument("--cuda-graph-max-bs", type=int, default=d.device.cuda_graph_max_bs,
+                   help="largest decode batch captured in a CUDA graph (bigger ones run eagerly)")
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
@@ -175,7 +185,8 @@ def config_from_args(ns: argparse.Namespace) -> NibbleConfig:
     """Build and validate the config tree from parsed flags (server flags optional)."""
     get = lambda name, default=None: getattr(ns, name, default)  # noqa: E731
     cfg = NibbleConfig(
-        model=ModelConfig(ns.model_path, ns.served_model_name, ns.dtype, ns.context_length),
+        model=ModelConfig(ns.model_path, ns.served_model_name, ns.dtype, ns.context_length,
+                          get("load_format", "auto")),
         cache=CacheConfig(ns.kv_cache_dtype, ns.page_size, ns.mem_fraction_static,
                           ns.max_total_tokens, ns.prefill_kv_dtype, ns.disable_radix_cache),
         hicache=HiCacheConfig(
@@ -191,7 +202,8 @@ def config_from_args(ns: argparse.Namespace) -> NibbleConfig:
                             get("kv_transport", "grpc"),
                             get("kv_transfer_failure_policy", "recompute"),
                             get("kv_transfer_timeout", 30.0)),
-        device=DeviceConfig(ns.device, ns.attention_backend),
+        device=DeviceConfig(ns.device, ns.attention_backend, get("disable_cuda_graph", False),
+                            get("cuda_graph_max_bs", 64)),
         server=ServerConfig(get("host", "127.0.0.1"), get("port", DEFAULT_PORT),
                             get("log_level", "info"), tuple(get("api_keys") or ()),
                             tuple(get("admin_api_keys") or ()), get("grpc_port")),
@@ -229,6 +241,10 @@ def validate(cfg: NibbleConfig) -> None:
         raise ConfigError("--hicache-ratio and --hicache-size must be > 0")
     if cfg.model.context_length is not None and cfg.model.context_length <= 0:
         raise ConfigError("--context-length must be > 0")
+    if cfg.device.cuda_graph_max_bs < 1:
+        raise ConfigError("--cuda-graph-max-bs must be >= 1")
+    if cfg.model.load_format == "dummy" and cfg.model.model_path is None:
+        raise ConfigError("--load-format dummy needs --model-path (a directory with config.json)")
     g = cfg.server.grpc_port
     if g is not None and (not 0 < g < 65536 or g == cfg.server.port):
         raise ConfigError(f"--grpc-port must be in 1..65535 and differ from --port, got {g}")

@@ -11,7 +11,8 @@ from typing import Callable
 
 import torch
 
-from nibble.kernels import LayerPages, PageLayout
+from nibble.kernels import KernelInputError, LayerPages, PageLayout
+from nibble.kernels.recipes import RecipeParams
 
 from .allocator import PageAllocator, PageId
 
@@ -42,6 +43,10 @@ class KVPool:
     ``pages``: uint8 ``[num_pages, num_layers, layer_nbytes]`` (see kernels.layout).
     ``global_scales``: float32 ``[num_layers, 2]`` (K, V); ``scale_version``
     increases whenever they change, and travels with every stored page.
+    ``recipe_params``: the calibrated K-recipe parameters of a format that has a
+    recipe (``kernels.recipes.RecipeParams``), or None (stored K is not
+    transformed); their ``recipe_digest`` travels with every stored page and
+    namespaces the content keys, like the format itself.
     """
 
     def __init__(self, layout: PageLayout, num_pages: int, device: torch.device | str = "cpu"):
@@ -50,6 +55,7 @@ class KVPool:
         self.pages = layout.allocate(num_pages, self.device)
         self.global_scales = torch.ones((layout.num_layers, 2), dtype=torch.float32)
         self.scale_version = 0
+        self.recipe_params: RecipeParams | None = None
         self.allocator = PageAllocator(num_pages)
         self._views = [layout.layer_view(self.pages, i) for i in range(layout.num_layers)]
         self._reuse_hooks: list[Callable[[list[PageId]], None]] = []
@@ -72,6 +78,29 @@ class KVPool:
             raise RuntimeError("global scales can only change while the pool is empty")
         self.global_scales = scales.to(torch.float32).clone()
         self.scale_version += 1
+
+    @property
+    def recipe_digest(self) -> str:
+        """The K-recipe parameters' digest, or "" (none: plain formats, or not calibrated)."""
+        return "" if self.recipe_params is None else self.recipe_params.digest
+
+    def set_recipe_params(self, params: RecipeParams) -> None:
+        """Install calibrated K-recipe parameters (only valid while no page is in use).
+
+        Raises:
+            KernelInputError: the format has no recipe, or another one, or the
+                parameters do not fit the layout.
+        """
+        if self.allocator.num_used:
+            raise RuntimeError("K recipe parameters can only change while the pool is empty")
+        lay = self.layout
+        if lay.fmt.k_recipe is None or params.recipe != lay.fmt.k_recipe:
+            raise KernelInputError(f"parameters of recipe {params.recipe} do not belong to KV "
+                                   f"format {lay.kv_format!r} (recipe {lay.fmt.k_recipe})")
+        if params.shape != (lay.num_layers, lay.num_kv_heads, lay.head_dim):
+            raise KernelInputError(f"K recipe parameters {params.shape} do not fit the layout "
+                                   f"{(lay.num_layers, lay.num_kv_heads, lay.head_dim)}")
+        self.recipe_params = params
 
     def capacity(self) -> PoolCapacity:
         lay = self.layout

@@ -6,18 +6,20 @@ Record layout (little endian)::
     version    H    RECORD_VERSION
     header_len I    length of the JSON header that follows
     header     JSON {format, layout_version, page_size, num_layers, num_kv_heads,
-                     head_dim, scale_version, global_scales: [[k, v] per layer]}
+                     head_dim, scale_version, global_scales: [[k, v] per layer],
+                     recipe: digest of the K-recipe parameters or ""}
     checksum   32s  SHA-256 over header + payload
     payload    the page's bytes exactly as in the pool (all layers, codes and scales)
 
-Codes, block scales, the global scales and their version travel together, so a
-page read back from any tier either reproduces the original bit for bit or is
-rejected (checksum, format, geometry or scale-version mismatch).
+Codes, block scales, the global scales and their version, and the digest of the
+K-recipe parameters travel together, so a page read back from any tier either
+reproduces the original bit for bit or is rejected (checksum, format, geometry,
+scale-version or recipe-parameter mismatch).
 
 Keys: ``page_key(prev, tokens)`` chains SHA-256 over the previous page's key and
 this page's token ids; the chain starts at ``namespace_root(...)``, which hashes
-the model fingerprint, KV format, layout and tenant salt, so no two models,
-formats, layouts or tenants can share a key.
+the model fingerprint, KV format, layout, K-recipe parameters and tenant salt, so
+no two models, formats, layouts, calibrations or tenants can share a key.
 """
 
 from __future__ import annotations
@@ -52,13 +54,14 @@ class PageHeader:
     head_dim: int
     scale_version: int
     global_scales: tuple[tuple[float, float], ...]
+    recipe: str = ""            # KVPool.recipe_digest: the K-recipe parameters ("" = none)
 
     @classmethod
-    def for_pool(cls, layout: PageLayout, scale_version: int, global_scales: torch.Tensor
-                 ) -> "PageHeader":
+    def for_pool(cls, layout: PageLayout, scale_version: int, global_scales: torch.Tensor,
+                 recipe: str = "") -> "PageHeader":
         scales = tuple((float(k), float(v)) for k, v in global_scales.tolist())
         return cls(layout.kv_format, layout.VERSION, layout.page_size, layout.num_layers,
-                   layout.num_kv_heads, layout.head_dim, scale_version, scales)
+                   layout.num_kv_heads, layout.head_dim, scale_version, scales, recipe)
 
 
 def _digest(head: bytes, body) -> bytes:
@@ -99,15 +102,22 @@ def decode_page(blob: bytes, expect: PageHeader) -> memoryview:
         header = PageHeader(**got)
     except (ValueError, TypeError) as e:
         raise PageRecordError(f"page record header is unreadable: {e}") from None
+    if header.recipe != expect.recipe:
+        raise PageRecordError(
+            f"page record was written with K-recipe parameters {header.recipe or 'none'!r}, "
+            f"this pool uses {expect.recipe or 'none'!r} (another calibration): recompute")
     if header != expect:
         raise PageRecordError(f"page record header {header} does not match the pool {expect}")
     return body
 
 
-def namespace_root(model_fingerprint: str, layout: PageLayout, tenant: str) -> bytes:
-    """The chain's first key: model, format, layout geometry and tenant salt."""
-    ident = json.dumps([model_fingerprint, layout.kv_format, layout.VERSION, layout.page_size,
-                        layout.num_layers, layout.num_kv_heads, layout.head_dim, tenant])
+def namespace_root(model_fingerprint: str, layout: PageLayout, tenant: str,
+                   recipe: str = "") -> bytes:
+    """The chain's first key: model, format, layout geometry, tenant salt and the
+    K-recipe parameters' digest (``KVPool.recipe_digest``; "" adds nothing)."""
+    ident = [model_fingerprint, layout.kv_format, layout.VERSION, layout.page_size,
+             layout.num_layers, layout.num_kv_heads, layout.head_dim, tenant]
+    ident = json.dumps(ident + [recipe] if recipe else ident)
     return hashlib.sha256(b"nibble-ns\0" + ident.encode()).digest()
 
 

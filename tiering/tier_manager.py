@@ -80,13 +80,14 @@ class TierManager:
 
     # ---- identity ----
     def header(self) -> PageHeader:
-        return PageHeader.for_pool(self.pool.layout, self.pool.scale_version, self.pool.global_scales)
+        return PageHeader.for_pool(self.pool.layout, self.pool.scale_version, self.pool.global_scales,
+                                   self.pool.recipe_digest)
 
     def keys(self, namespace: str, tokens, num_pages: int) -> list[bytes]:
         root = self._roots.get(namespace)
         if root is None:
             root = self._roots[namespace] = namespace_root(self.fingerprint, self.pool.layout,
-                                                           namespace)
+                                                           namespace, self.pool.recipe_digest)
         return chain_keys(root, tokens[:num_pages * self.page_size], self.page_size)
 
     # ---- write path (engine thread) ----

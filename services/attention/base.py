@@ -14,12 +14,15 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
 from nibble.kernels.errors import KernelInputError
 from nibble.kernels.nvfp4 import e4m3_round
+from nibble.kernels.recipes import RecipeParams
+
+from ..errors import ConfigError
 
 
 @dataclass
@@ -53,6 +56,24 @@ class AttentionBackend(ABC):
     """Stores each layer's new K/V as pages and computes attention."""
 
     name: str = ""
+    # Sliding-window attention (Gemma 3): per layer, None = full attention; () = every layer full.
+    supports_sliding_window: bool = False
+    sliding_windows: tuple[int | None, ...] = ()
+
+    def set_sliding_windows(self, windows: Sequence[int | None]) -> None:
+        """Give layer ``l`` a window: a token at position ``p`` sees positions ``> p - windows[l]``.
+
+        Raises:
+            ConfigError: a window is set and this backend has no sliding-window attention.
+        """
+        windows = tuple(windows)
+        if any(w is not None for w in windows) and not self.supports_sliding_window:
+            raise ConfigError(f"the {self.name!r} attention backend has no sliding-window attention")
+        self.sliding_windows = windows
+
+    def window(self, layer: int) -> int | None:
+        """Layer ``layer``'s sliding window in tokens, or None (full attention)."""
+        return self.sliding_windows[layer] if self.sliding_windows else None
 
     @abstractmethod
     def plan(self, meta: AttentionMetadata) -> None:
@@ -62,6 +83,84 @@ class AttentionBackend(ABC):
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         """``q [T, Hq, D]``, ``k``/``v`` ``[T, H, D]`` (RoPE applied) -> ``[T, Hq, D]`` in q's dtype."""
+
+    # CUDA graphs (services/engine/cuda_graph.py): a backend that can be captured sets
+    # supports_cuda_graph and implements the two methods below.
+    supports_cuda_graph: bool = False
+
+    def bind_decode_graph(self, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                          slots: torch.Tensor, max_seq_len: int) -> AttentionMetadata:
+        """Point the decode state at static device buffers (all ``B`` rows decode).
+
+        ``block_tables`` int32 ``[B, M]``, ``seq_lens`` int32 ``[B]`` (cached + 1),
+        ``slots`` int64 ``[B]`` (-1 = padding, not stored); ``max_seq_len`` fixes the
+        split-K grid. Returns the metadata to pass to :meth:`forward`. No host sync.
+        """
+        raise NotImplementedError(f"the {self.name!r} backend does not support CUDA graphs")
+
+    def prepare_graph_replay(self) -> None:
+        """Refresh per-step device state in place (e.g. global scales) before a replay."""
+
+
+class RecipeHook:
+    """Applies the pool's calibrated K recipe (``kernels.recipes.RecipeParams``) in a backend.
+
+    ``apply`` at the top of ``forward`` transforms q, K (and V) before the store
+    and before every attention path (prefill, extend, decode), so every key a
+    query sees carries the same shift; ``finish`` adds the V shift back to the
+    output. Formats without a recipe pass through. For a format with one, the
+    device tensors are allocated once (identity until the pool is calibrated)
+    and updated in place when the pool's parameters change, so captured CUDA
+    graphs always read the current ones.
+    """
+
+    def __init__(self, pool, device: torch.device | None = None):
+        self.pool = pool
+        self.recipe = pool.layout.fmt.k_recipe
+        self._src = self._dev = None
+        self._cast: dict[torch.dtype, RecipeParams] = {}
+        if device is not None and (device.type != "cuda" or torch.cuda.is_available()):
+            self._sync(torch.empty(0, device=device).device)      # before any graph capture
+
+    def _sync(self, device: torch.device):
+        if self.recipe is None:
+            return None
+        p = getattr(self.pool, "recipe_params", None)     # duck-typed pools may lack it
+        if p is None:
+            lay = self.pool.layout
+            p = RecipeParams.identity(self.recipe, lay.num_layers, lay.num_kv_heads, lay.head_dim)
+        if self._dev is None or self._dev.k_shift.device != device:
+            self._src, self._dev = p, p.to(device)
+        elif p is not self._src and p.digest != self._dev.digest:
+            self._dev.load_(p)
+            self._src = p
+        return self._dev
+
+    def _params(self, q: torch.Tensor):
+        """The parameters on q's device in q's dtype (a cached copy kept in step with them)."""
+        p = self._sync(q.device)
+        if p is None or q.dtype == torch.float32:
+            return p
+        cast = self._cast.get(q.dtype)
+        if cast is None:
+            cast = self._cast[q.dtype] = p.to(q.device, q.dtype)
+        elif cast.digest != p.digest:
+            cast.load_(p)
+        return cast
+
+    def apply(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """``q [T, Hq, D]``, ``k``/``v`` ``[T, H, D]`` -> transformed, computed in q's dtype
+        (k and v are cast to it first; the store quantizes from there)."""
+        p = self._params(q)
+        if p is None:
+            return q, k, v
+        return p.apply(layer, q, k.to(q.dtype), v.to(q.dtype))
+
+    def finish(self, layer: int, out: torch.Tensor) -> torch.Tensor:
+        """Attention output ``[T, Hq, D]`` -> with the V shift added back (if the recipe has one)."""
+        if self._dev is None or self._dev.v_shift is None:
+            return out
+        return self._params(out).finish(layer, out)
 
 
 def fresh_kv(x: torch.Tensor, fp8: bool) -> torch.Tensor:

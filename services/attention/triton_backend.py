@@ -37,7 +37,7 @@ from nibble.kernels.triton._common import FORMAT_CODES
 from nibble.tiering import KVPool
 
 from ..errors import ConfigError
-from .base import AttentionBackend, AttentionMetadata, fresh_kv, register_backend
+from .base import AttentionBackend, AttentionMetadata, RecipeHook, fresh_kv, register_backend
 from .decode_select import CUDA_SM90, DecodeChoice, confirm_group, select_decode_impl
 
 DECODE_HEAD_DIMS = (64, 128, 256)
@@ -92,8 +92,10 @@ class TritonAttentionBackend(AttentionBackend):
         self.fp8_fresh = prefill_kv_dtype == "fp8_e4m3"
         self._scale_version: int | None = None
         self._scales: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._gs: torch.Tensor | None = None                  # fp32 [L, 2] (k, v) global scales
         self._compute_dtype: torch.dtype | None = None   # learned from the first q
         self._ws: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._recipe = RecipeHook(pool, pool.device)     # the format's calibrated K recipe
 
     def _set_decode(self, choice: DecodeChoice) -> None:
         self._decode_choice = choice
@@ -169,12 +171,39 @@ class TritonAttentionBackend(AttentionBackend):
         self._dec_splits = self._splits_fn(*self._dec_shape, dev)
 
     def _refresh_scales(self) -> None:
-        """Per-layer (k, v) global scales as one-element fp32 device views."""
+        """Per-layer (k, v) global scales as one-element fp32 device views.
+
+        Updated in place after the first call, so captured CUDA graphs keep reading them.
+        """
         if self._scale_version == self.pool.scale_version and self._scales:
             return
-        gs = self.pool.global_scales.to(device=self.device, dtype=torch.float32).contiguous()
-        self._scales = [(gs[i, 0:1], gs[i, 1:2]) for i in range(gs.shape[0])]
+        gs = self.pool.global_scales.to(device=self.device, dtype=torch.float32)
+        if self._gs is None or self._gs.shape != gs.shape:
+            self._gs = gs.contiguous().clone()
+            self._scales = [(self._gs[i, 0:1], self._gs[i, 1:2]) for i in range(gs.shape[0])]
+        else:
+            self._gs.copy_(gs)
         self._scale_version = self.pool.scale_version
+
+    # ------------------------------------------------------------------ CUDA graphs
+
+    supports_cuda_graph = True
+
+    def bind_decode_graph(self, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                          slots: torch.Tensor, max_seq_len: int) -> AttentionMetadata:
+        """Decode every row of the static buffers (see the base class); no host sync."""
+        b = int(block_tables.shape[0])
+        self._refresh_scales()
+        self._slots = slots
+        self._dec, self._dec_direct = True, True
+        self._dec_bt, self._dec_lens = block_tables, seq_lens
+        self._dec_shape = (b, self.layout.num_kv_heads, max_seq_len)
+        self._dec_splits = self._splits_fn(*self._dec_shape, self.device)
+        self._ws = None
+        return AttentionMetadata(list(range(b)), [1] * b, [1] * b, slots, block_tables)
+
+    def prepare_graph_replay(self) -> None:
+        self._refresh_scales()
 
     def _alloc_workspace(self, compute_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's extend workspace ``(k, v)``, each ``[sum(prefix lens), H, D]``."""
@@ -193,6 +222,7 @@ class TritonAttentionBackend(AttentionBackend):
         """
         pages = self.pool.layer(layer)
         ks, vs = self._scales[layer]
+        q, k, v = self._recipe.apply(layer, q, k, v)
         k, v = fresh_kv(k, self.fp8_fresh), fresh_kv(v, self.fp8_fresh)
         store_kv(self.layout, pages, k, v, self._slots, ks, vs)
         out = torch.empty_like(q)
@@ -205,14 +235,22 @@ class TritonAttentionBackend(AttentionBackend):
             self._extend(pages, q, k, v, meta, out, ks, vs)
         if self._dec:
             self._decode(pages, q, out, ks, vs)
-        return out
+        return self._recipe.finish(layer, out)
 
     def _sdpa(self, q, k, v, causal=False, mask=None):
-        """q [Tq, Hq, D], k/v [Tk, H, D] -> [Tq, Hq, D] (GQA by head grouping)."""
+        """q [Tq, Hq, D], k/v [Tk, H, D] -> [Tq, Hq, D] (GQA by head grouping).
+
+        K/V heads are repeated to Hq up front: every fused SDPA kernel (flash,
+        memory-efficient) then applies, so a 32K-token prefill never falls back
+        to the math kernel and its [Hq, Tq, Tk] score matrix.
+        """
+        group = q.shape[1] // k.shape[1]
+        if group > 1:
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         o = torch.nn.functional.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
             v.transpose(0, 1).unsqueeze(0), attn_mask=mask, is_causal=causal,
-            scale=self.sm_scale, enable_gqa=True)
+            scale=self.sm_scale)
         return o.squeeze(0).transpose(0, 1)
 
     def _extend(self, pages, q, k, v, meta, out, ks, vs) -> None:

@@ -35,7 +35,11 @@ def _init_ray(cfg: NibbleConfig, secret: str) -> bool:
         ray.init(address=cfg.disagg.ray_address, runtime_env=env, namespace=RAY_NAMESPACE,
                  log_to_driver=True)
         return False
-    ray.init(_node_ip_address="127.0.0.1", dashboard_host="127.0.0.1", include_dashboard=True,
+    missing = ray._private.utils.get_dashboard_dependency_error()
+    if missing:   # a core-only Ray install (no ray[default]) runs without the dashboard
+        log.warning("Ray dashboard off: its dependencies are missing (%s)", missing)
+    ray.init(_node_ip_address="127.0.0.1", dashboard_host="127.0.0.1",
+             include_dashboard=not missing,
              runtime_env=env, num_cpus=max(2, os.cpu_count() or 2), namespace=RAY_NAMESPACE,
              log_to_driver=True)
     return True
@@ -75,7 +79,8 @@ class DisaggEngine:
         router = make_orchestrator_class().options(name="nibble-router", get_if_exists=True).remote(
             cfg, roles)
         meta = await router.start.remote()
-        tokenizer = await asyncio.to_thread(load_tokenizer, cfg.model.model_path)
+        tokenizer = await asyncio.to_thread(load_tokenizer, cfg.model.model_path,
+                                            cfg.model.load_format)
         log.info("disaggregated: %d prefill + %d decode workers over %s; Ray dashboard at %s",
                  cfg.disagg.prefill_workers, cfg.disagg.decode_workers, cfg.disagg.kv_transport,
                  ray.get_runtime_context().gcs_address if not started else "http://127.0.0.1:8265")

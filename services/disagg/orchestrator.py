@@ -24,6 +24,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from nibble.kernels import PageLayout
 
 from ..config import NibbleConfig
+from ..errors import ConfigError
 from ..engine.types import FinishReason, GenerateRequest, RequestOutput, Usage
 from .metrics import RayMetrics
 from .router import Router
@@ -32,6 +33,23 @@ from .transfer_state import Transfer, TransferError, TransferState
 log = logging.getLogger(__name__)
 POLL_S = 0.2
 WORKER_ERRORS = (RayActorError, RayTaskError, TransferError, asyncio.TimeoutError)
+
+
+def check_same_kv_identity(infos: list[dict]) -> None:
+    """Workers exchange raw pages: they must agree on model, layout and K-recipe parameters.
+
+    Raises:
+        ConfigError: naming the first worker that differs from the first one.
+    """
+    first = infos[0]
+    for info in infos[1:]:
+        for key in ("fingerprint", "layout", "recipe"):
+            if info.get(key) != first.get(key):
+                raise ConfigError(
+                    f"worker {info['worker_id']} has {key} {info.get(key)!r}, worker "
+                    f"{first['worker_id']} has {first.get(key)!r}: their KV pages are not "
+                    f"interchangeable (same weights, dtype, device kind and --kv-cache-dtype "
+                    f"give the same K-recipe calibration)")
 
 
 class Orchestrator:
@@ -53,7 +71,9 @@ class Orchestrator:
     async def start(self) -> dict:
         infos = await asyncio.gather(*(ray.get_actor(n).info.remote() for n in self.roles))
         first = infos[0]
-        self.router = Router.for_model(first["fingerprint"], PageLayout(**first["layout"]))
+        check_same_kv_identity(infos)
+        self.router = Router.for_model(first["fingerprint"], PageLayout(**first["layout"]),
+                                       recipe=first.get("recipe", ""))
         for name in self.roles:
             self._add(name)
         self._poller = asyncio.get_running_loop().create_task(self._poll_forever())

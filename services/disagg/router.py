@@ -207,9 +207,11 @@ class Router:
         self._lock = threading.Lock()
 
     @classmethod
-    def for_model(cls, fingerprint: str, layout, config: RouterConfig | None = None) -> "Router":
-        """A router keyed like the workers' tier managers (same fingerprint and PageLayout)."""
-        return cls(lambda ns: namespace_root(fingerprint, layout, ns), config)
+    def for_model(cls, fingerprint: str, layout, config: RouterConfig | None = None,
+                  recipe: str = "") -> "Router":
+        """A router keyed like the workers' tier managers (same fingerprint, PageLayout and
+        K-recipe parameter digest)."""
+        return cls(lambda ns: namespace_root(fingerprint, layout, ns, recipe), config)
 
     # ---- membership ----
     def add_worker(self, worker_id: str, role: str) -> WorkerView:

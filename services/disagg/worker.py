@@ -57,7 +57,8 @@ class EngineWorker:
         lay = self.pool.layout
         return {"worker_id": self.worker_id, "role": self.role, "pid": os.getpid(),
                 "endpoint": self.transport.endpoint(), "fingerprint": self.engine.parts.fingerprint,
-                "layout": dataclasses.asdict(lay), "context_length": self.engine.context_length,
+                "layout": dataclasses.asdict(lay), "recipe": self.pool.recipe_digest,
+                "context_length": self.engine.context_length,
                 "model_name": self.engine.model_name}
 
     async def stats(self) -> dict:
@@ -113,7 +114,11 @@ class EngineWorker:
         The transport already refused writes without a ticket this worker issued;
         the checksum proves the reserved pages hold exactly what was sent.
         """
-        got = page_set_checksum(self.pool.pages, list(ticket.dst_pages))
+        handoff = self.engine.core.handoff
+        if not await self.engine.call(lambda: req.request_id in handoff.reservations):
+            # retryable: the orchestrator recomputes instead of failing the request
+            raise TransferError(f"{req.request_id}: the reservation expired before install")
+        got = await asyncio.to_thread(page_set_checksum, self.pool.pages, list(ticket.dst_pages))
         if got != checksum:
             await self.cancel(req.request_id)
             raise TransferError(f"{req.request_id}: page checksum mismatch after transfer")
@@ -146,7 +151,7 @@ class EngineWorker:
             if len(src) != len(ticket.dst_pages):
                 raise TransferError(f"{req.request_id}: {len(src)} pages for "
                                     f"{len(ticket.dst_pages)} reserved")
-            checksum = page_set_checksum(self.pool.pages, src)
+            checksum = await asyncio.to_thread(page_set_checksum, self.pool.pages, src)
             await self._send(peer_endpoint, ticket, src, checksum)
             return {"first_token": first.new_token_ids[0], "checksum": checksum,
                     "nbytes": len(src) * self.pool.layout.page_nbytes, "pages": len(src)}

@@ -17,9 +17,11 @@ from nibble.tiering.tier_manager import TierManager, TierPolicy
 
 from .. import attention
 from ..attention import ATTENTION_BACKENDS
+from ..attention.calibration import calibrate_pool
 from ..config import CacheConfig, DeviceConfig, HiCacheConfig, NibbleConfig
 from ..errors import ConfigError
 from .engine import EngineCore
+from .cuda_graph import DecodeGraphRunner
 from .model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -109,16 +111,20 @@ def build_tiers(cfg: HiCacheConfig, pool: KVPool, cache: RadixCache, fingerprint
     return TierManager(pool, cache, fingerprint, host, storage, policy)
 
 
-def select_attention_backend(requested: str, layout: PageLayout, device: torch.device) -> str:
+def select_attention_backend(requested: str, layout: PageLayout, device: torch.device,
+                             sliding_window: bool = False) -> str:
     """The backend name for --attention-backend ``requested`` (auto|torch|triton).
 
     ``auto`` picks ``triton`` on CUDA when Triton imports and its kernels fit the
     layout, else ``torch``. A forced ``triton`` that cannot run is a ConfigError
     (on CPU it runs only under Triton's interpreter, TRITON_INTERPRET=1).
+    ``sliding_window``: the model has sliding-window layers (Gemma 3); only
+    backends with ``supports_sliding_window`` qualify (auto falls back to torch).
     """
     triton_cls = attention.TritonAttentionBackend
     if requested == "auto":
         if (device.type == "cuda" and triton_cls is not None
+                and (triton_cls.supports_sliding_window or not sliding_window)
                 and triton_cls.unsupported_reason(layout, device) is None):
             return "triton"
         return "torch"
@@ -132,7 +138,24 @@ def select_attention_backend(requested: str, layout: PageLayout, device: torch.d
     if requested not in ATTENTION_BACKENDS:
         raise ConfigError(f"attention backend {requested!r} is not available; "
                           f"known: {sorted(ATTENTION_BACKENDS)}")
+    if sliding_window and not ATTENTION_BACKENDS[requested].supports_sliding_window:
+        raise ConfigError(f"--attention-backend {requested}: the model has sliding-window "
+                          f"attention layers, which this backend does not implement; use "
+                          f"--attention-backend torch (or auto)")
     return requested
+
+
+def build_graph_runner(cfg: DeviceConfig, model, backend, device: torch.device,
+                       context: int, page_size: int) -> DecodeGraphRunner | None:
+    """Captured decode graphs on CUDA with a backend that supports them, else None (eager)."""
+    if device.type != "cuda" or cfg.disable_cuda_graph:
+        return None
+    if not backend.supports_cuda_graph:
+        log.info("CUDA graphs off: the %s attention backend cannot be captured", backend.name)
+        return None
+    graphs = DecodeGraphRunner(model, backend, device, cfg.cuda_graph_max_bs, context, page_size)
+    graphs.capture()
+    return graphs
 
 
 def build_parts(cfg: NibbleConfig) -> EngineParts:
@@ -140,23 +163,28 @@ def build_parts(cfg: NibbleConfig) -> EngineParts:
 
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.model.dtype, device)
-    loaded = load_model(cfg.model.model_path, dtype, device)
+    loaded = load_model(cfg.model.model_path, dtype, device, cfg.model.load_format)
     arch = loaded.arch
     kv_format = "bf16" if cfg.cache.kv_cache_dtype == "auto" else cfg.cache.kv_cache_dtype
     geometry = dict(num_layers=arch.num_layers, num_kv_heads=arch.num_kv_heads,
                     head_dim=arch.head_dim, page_size=cfg.cache.page_size)
     layout = PageLayout(kv_format, **geometry)
-    backend_name = select_attention_backend(cfg.device.attention_backend, layout, device)
+    backend_name = select_attention_backend(cfg.device.attention_backend, layout, device,
+                                            arch.has_sliding_window)
     log.info("attention backend: %s", backend_name)
     weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
     pool = KVPool(layout, plan_num_pages(cfg.cache, layout, device, weight_bytes), device)
+    calibrate_pool(loaded.model, loaded.tokenizer, pool, arch)   # the format's K recipe, if any
     per_format = {name: PageLayout(name, **geometry).bytes_per_token for name in KV_CACHE_FORMATS}
     backend = ATTENTION_BACKENDS[backend_name](pool, arch.sm_scale, cfg.cache.prefill_kv_dtype)
+    backend.set_sliding_windows(arch.sliding_windows)
     context = min(cfg.model.context_length or arch.max_position_embeddings,
                   arch.max_position_embeddings)
     cache = None if cfg.cache.disable_radix_cache else RadixCache(layout.page_size, pool)
     tiers = build_tiers(cfg.hicache, pool, cache, loaded.fingerprint) if cache is not None else None
-    core = EngineCore(ModelRunner(loaded.model, backend, device), pool, loaded.tokenizer,
+    graphs = build_graph_runner(cfg.device, loaded.model, backend, device, context,
+                                layout.page_size)
+    core = EngineCore(ModelRunner(loaded.model, backend, device, graphs), pool, loaded.tokenizer,
                       cfg.scheduler, context, cache, tiers)
     cap = pool.capacity()
     log.info("KV pool: %s, %d pages x %d tokens = %d tokens, %.0f bytes/token, %.1f MiB",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..attention import AttentionBackend, AttentionMetadata
+from .cuda_graph import DecodeGraphRunner
 from .sampling import make_generator, sample
 from .types import ScheduledBatch, ScheduledSeq, WorkerOutput
 
@@ -17,12 +18,15 @@ class ModelRunner:
             ``compute_logits(hidden[N, H]) -> [N, V] float32``).
         backend: the attention backend bound to the KV pool.
         device: where activations live.
+        graphs: replays pure-decode steps from captured CUDA graphs, if given.
     """
 
-    def __init__(self, model: torch.nn.Module, backend: AttentionBackend, device: torch.device):
+    def __init__(self, model: torch.nn.Module, backend: AttentionBackend, device: torch.device,
+                 graphs: DecodeGraphRunner | None = None):
         self.model = model
         self.backend = backend
         self.device = device
+        self.graphs = graphs
         self._generators: dict[str, torch.Generator | None] = {}
 
     def release(self, request_id: str) -> None:
@@ -49,6 +53,17 @@ class ModelRunner:
         seqs = batch.seqs
         if not seqs:
             return WorkerOutput({})
+        if self.graphs is not None and self.graphs.applies(seqs):
+            return self._sample(seqs, self.graphs.run(seqs, page_size))
+        picked = [s for s in seqs if s.sample]
+        if not picked:
+            self._forward(seqs, page_size, rows=None)
+            return WorkerOutput({})
+        return self._sample(picked, self._forward(seqs, page_size, rows=True))
+
+    def _forward(self, seqs: list[ScheduledSeq], page_size: int, rows: bool | None
+                 ) -> torch.Tensor | None:
+        """Eager forward of the step; logits ``[N, vocab]`` float32 of the sampled rows."""
         ids = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.long,
                            device=self.device)
         positions = torch.cat([torch.arange(s.start_pos, s.start_pos + len(s.token_ids))
@@ -57,11 +72,12 @@ class ModelRunner:
         self.backend.plan(meta)
         hidden = self.model(ids, positions, lambda layer, q, k, v: self.backend.forward(
             layer, q, k, v, meta))
-        rows = [meta.seq_starts[i] + meta.new_lens[i] - 1 for i, s in enumerate(seqs) if s.sample]
-        if not rows:
-            return WorkerOutput({})
-        picked = [s for s in seqs if s.sample]
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        if rows is None:
+            return None
+        last = [meta.seq_starts[i] + meta.new_lens[i] - 1 for i, s in enumerate(seqs) if s.sample]
+        return self.model.compute_logits(hidden[torch.tensor(last, device=self.device)])
+
+    def _sample(self, picked: list[ScheduledSeq], logits: torch.Tensor) -> WorkerOutput:
         gens = []
         for s in picked:
             if s.request_id not in self._generators:

@@ -9,6 +9,11 @@ llama.cpp's converter reorders the rows of the Q and K projections of
 llama-architecture models (per head it interleaves the two rotary halves, for
 its GPT-J style RoPE). ``iter_weights`` undoes that so the rotate_half RoPE of
 ``CausalLM`` applies. Qwen2/Qwen3 GGUFs are stored unpermuted.
+
+Gemma 3 GGUFs are unpermuted too, but name the norms differently (``ffn_norm``
+is the *pre*-feedforward norm, plus ``post_attention_norm`` and
+``post_ffw_norm``) and store every RMSNorm gain as ``1 + w``; ``iter_weights``
+maps the names and subtracts the 1, as transformers' GGUF loader does.
 """
 
 from __future__ import annotations
@@ -50,6 +55,13 @@ _BLOCK_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+}
+# Gemma 3: its four per-layer norms (the rest of _BLOCK_NAMES applies unchanged).
+_GEMMA3_BLOCK_NAMES = {
+    **_BLOCK_NAMES,
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
 }
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)")
 ROPE_FREQS = "rope_freqs.weight"  # per-frequency divisors (Llama 3.1 style scaling)
@@ -156,13 +168,14 @@ class GGUFFile:
         return torch.from_numpy(arr)
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     """HF checkpoint name for a GGUF tensor name; None for tensors loaded elsewhere."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    block_names = _GEMMA3_BLOCK_NAMES if arch == "gemma3" else _BLOCK_NAMES
     m = _BLOCK_RE.fullmatch(gguf_name)
-    if m and m.group(2) in _BLOCK_NAMES:
-        return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
+    if m and m.group(2) in block_names:
+        return f"model.layers.{m.group(1)}.{block_names[m.group(2)]}.{m.group(3)}"
     if gguf_name == ROPE_FREQS:
         return None
     raise ModelLoadError(f"unsupported GGUF tensor {gguf_name!r}")
@@ -180,13 +193,16 @@ def unpermute_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 def iter_weights(f: GGUFFile, arch: str, num_heads: int, num_kv_heads: int
                  ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, float32 tensor)`` for every model tensor, Q/K rows restored."""
+    """Yield ``(hf_name, float32 tensor)`` for every model tensor, Q/K rows restored
+    (llama) or norm gains turned back from ``1 + w`` into ``w`` (gemma3)."""
     for t in f.tensors:
-        name = hf_name(t.name)
+        name = hf_name(t.name, arch)
         if name is None:
             continue
         w = f.dequantize(t)
-        if arch == "llama" and ".attn_q." in t.name:
+        if arch == "gemma3" and t.name.endswith("norm.weight"):
+            w = w - 1.0
+        elif arch == "llama" and ".attn_q." in t.name:
             w = unpermute_rows(w, num_heads)
         elif arch == "llama" and ".attn_k." in t.name:
             w = unpermute_rows(w, num_kv_heads)

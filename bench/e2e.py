@@ -1,0 +1,276 @@
+"""End-to-end engine benchmark: KV formats at equal concurrency and at equal memory.
+
+For each ``--kv-formats`` entry the engine is built from the usual engine flags
+(same weights, same ``--mem-fraction-static`` or ``--max-total-tokens`` bytes
+of KV), then it runs ``C`` requests of ``--input-len`` random token ids and
+``--output-len`` generated tokens (EOS ignored), all arriving at once:
+
+* **iso-concurrency**: the same ``C`` for every format (default: the largest
+  that every format's pool holds, i.e. the FP8 capacity);
+* **iso-capacity**: each format at its own capacity, ``C = pages // pages per
+  request``: NVFP4's pool holds 1.78x FP8's tokens in the same bytes.
+
+A TTFT probe first runs ``--ttft-probes`` single requests alone (prefill only).
+Reported per run: capacity, TTFT (probe median, and mean/p99 under the burst),
+decode throughput over the steps where every request decodes (the steady
+state), overall output throughput, the largest decode batch reached, and the
+engine's decode path (CUDA graphs or eager). Writes ``e2e.json`` and
+``e2e.png`` to ``--out``; on a GPU use ``--load-format dummy`` with
+``bench/models/qwen3-8b``:
+
+    python -m nibble.bench.e2e --model-path bench/models/qwen3-8b --load-format dummy \\
+        --input-len 32768 --output-len 1024 --mem-fraction-static 0.4 \\
+        --chunked-prefill-size 32768 --max-prefill-tokens 32768 --out out/e2e
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import pathlib
+import statistics
+import time
+
+import torch
+from tqdm import tqdm
+
+from nibble.kernels import PageLayout
+from nibble.services.config import add_engine_args, config_from_args
+from nibble.services.engine.builder import build_parts
+from nibble.services.engine.types import GenerateRequest, SamplingParams
+from nibble.tiering import pages_for_budget
+
+MODES = ("iso-concurrency", "iso-capacity")
+
+
+def pct(xs: list[float], q: float) -> float:
+    """The q-quantile (0..1) by nearest rank; 0.0 for an empty list."""
+    if not xs:
+        return 0.0
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
+
+
+def random_prompt(gen: torch.Generator, n: int, vocab: int) -> list[int]:
+    """``n`` token ids in [10, vocab - 10) (clear of the special ids at either end)."""
+    return torch.randint(10, max(11, vocab - 10), (n,), generator=gen).tolist()
+
+
+def capacity(core, input_len: int, output_len: int) -> int:
+    """Requests of ``input_len + output_len`` tokens that the pool holds at once."""
+    ps = core.pool.layout.page_size
+    return core.pool.num_pages // -(-(input_len + output_len) // ps)
+
+
+def capacity_as(core, fmt: str, args) -> int:
+    """:func:`capacity` had the pool held ``fmt`` pages: the same bytes (``--mem-fraction-static``)
+    or the same tokens (``--max-total-tokens``)."""
+    lay = core.pool.layout
+    other = PageLayout(fmt, lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.page_size)
+    pages = (core.pool.num_pages if args.max_total_tokens is not None
+             else pages_for_budget(other, core.pool.capacity().pool_bytes))
+    return pages // -(-(args.input_len + args.output_len) // lay.page_size)
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def ttft_probe(core, args, vocab: int, gen: torch.Generator) -> list[float]:
+    """Seconds to the first token for single requests run alone (prefill of input_len)."""
+    out = []
+    for i in range(args.ttft_probes):
+        req = GenerateRequest(f"probe{i}", random_prompt(gen, args.input_len, vocab),
+                              SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+        t0 = time.perf_counter()
+        core.add_request(req)
+        while core.has_unfinished():
+            core.step()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def run_burst(core, args, c: int, vocab: int, gen: torch.Generator, label: str) -> dict:
+    """``c`` requests at once; per-request TTFT/ITL and per-step decode throughput."""
+    sp = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+    prompts = [random_prompt(gen, args.input_len, vocab) for _ in range(c)]
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    decode_tokens, decode_time, max_batch = 0, 0.0, 0
+    t0 = time.perf_counter()
+    for i, p in enumerate(prompts):
+        core.add_request(GenerateRequest(f"{label}-{i}", p, sp))
+    with tqdm(total=c * args.output_len, desc=label, unit="tok", leave=False) as bar:
+        while core.has_unfinished():
+            steady = len(first) == c     # every request is past its prefill: a pure decode step
+            s0 = time.perf_counter()
+            outs = core.step()
+            now = time.perf_counter()
+            n = sum(len(o.new_token_ids) for o in outs)
+            for o in outs:
+                if o.new_token_ids:
+                    first.setdefault(o.request_id, now - t0)
+                    last[o.request_id] = now - t0
+            max_batch = max(max_batch, n)
+            if steady and n == c:
+                decode_tokens += n
+                decode_time += now - s0
+            bar.update(n)
+    wall = time.perf_counter() - t0
+    ttfts = [first[k] for k in first]
+    itl = [(last[k] - first[k]) / max(1, args.output_len - 1) for k in first]
+    return {"concurrency": c, "requests": c, "wall_s": wall,
+            "output_tok_s": c * args.output_len / wall,
+            "decode_tok_s": decode_tokens / decode_time if decode_time else 0.0,
+            "decode_steps": decode_tokens // max(c, 1), "max_decode_batch": max_batch,
+            "ttft_mean_s": statistics.fmean(ttfts), "ttft_p99_s": pct(ttfts, 0.99),
+            "itl_median_s": pct(itl, 0.5)}
+
+
+def bench_format(fmt: str, args, base_ns: argparse.Namespace, conc: dict[str, int | None]) -> dict:
+    """Build the engine for ``fmt``, probe TTFT, run the bursts this format needs."""
+    # admission is limited by KV pages, not by a request count
+    ns = argparse.Namespace(**{**vars(base_ns), "kv_cache_dtype": fmt,
+                               "max_running_requests": max(base_ns.max_running_requests, 4096)})
+    parts = build_parts(config_from_args(ns))
+    core = parts.core
+    cap = core.pool.capacity()
+    c_max = capacity(core, args.input_len, args.output_len)
+    if "iso-concurrency" in args.modes and conc.get("iso-concurrency") is None:
+        conc["iso-concurrency"] = min(capacity_as(core, f, args) for f in args.kv_formats)
+    vocab = parts.tokenizer.vocab_size
+    gen = torch.Generator().manual_seed(args.seed)
+    device = core.pool.device
+    graphs = core.runner.graphs
+    res = {"format": fmt, "pool_tokens": cap.max_tokens, "pool_bytes": cap.pool_bytes,
+           "bytes_per_token": cap.bytes_per_token, "capacity_requests": c_max,
+           "decode_path": "cuda-graphs" if graphs is not None else "eager",
+           "attention_backend": parts.backend_name,
+           "decode_impl": getattr(core.runner.backend, "decode_impl", None), "runs": {}}
+    warm = GenerateRequest("warmup", random_prompt(gen, min(args.input_len, 512), vocab),
+                           SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    core.add_request(warm)      # JIT compiles and first-call costs stay out of the figures
+    while core.has_unfinished():
+        core.step()
+    res["ttft_probe_s"] = ttft_probe(core, args, vocab, gen)
+    _sync(device)
+    todo = {}
+    for mode in args.modes:
+        c = c_max if mode == "iso-capacity" else conc["iso-concurrency"]
+        if c and c > c_max:
+            raise SystemExit(f"{fmt}: --concurrency {c} exceeds the pool's capacity {c_max}")
+        if c:
+            todo.setdefault(c, []).append(mode)
+    for c, modes in sorted(todo.items()):
+        run = run_burst(core, args, c, vocab, gen, f"{fmt} x{c}")
+        run["modes"] = modes
+        res["runs"][str(c)] = run
+        print(f"{fmt:<9} C={c:<3} ({'+'.join(modes)}) TTFT mean {run['ttft_mean_s']:.2f}s "
+              f"decode {run['decode_tok_s']:.0f} tok/s, output {run['output_tok_s']:.0f} tok/s, "
+              f"max batch {run['max_decode_batch']}")
+    res["graph_replays"] = graphs.replays if graphs is not None else 0
+    del parts, core, graphs
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return res
+
+
+def summarize(results: list[dict], conc: int | None) -> dict:
+    """Ratios of the last format against the first (nvfp4 against fp8_e4m3 by default)."""
+    if len(results) < 2:
+        return {}
+    a, b = results[0], results[-1]
+
+    def run(r, c):
+        return r["runs"].get(str(c), {})
+
+    cap_a, cap_b = a["capacity_requests"], b["capacity_requests"]
+    out = {"baseline": a["format"], "candidate": b["format"],
+           "capacity_token_ratio": b["pool_tokens"] / a["pool_tokens"],
+           "ttft_probe_change": statistics.median(b["ttft_probe_s"]) /
+           statistics.median(a["ttft_probe_s"]) - 1}
+    if conc and run(a, conc) and run(b, conc):
+        out["iso_concurrency"] = conc
+        out["iso_concurrency_decode_ratio"] = run(b, conc)["decode_tok_s"] / max(
+            run(a, conc)["decode_tok_s"], 1e-9)
+        out["iso_concurrency_output_ratio"] = run(b, conc)["output_tok_s"] / run(a, conc)["output_tok_s"]
+        out["iso_concurrency_ttft_change"] = run(b, conc)["ttft_mean_s"] / run(a, conc)["ttft_mean_s"] - 1
+    if run(a, cap_a) and run(b, cap_b):
+        out["iso_capacity_concurrency"] = [cap_a, cap_b]
+        out["iso_capacity_decode_ratio"] = run(b, cap_b)["decode_tok_s"] / max(
+            run(a, cap_a)["decode_tok_s"], 1e-9)
+        out["iso_capacity_output_ratio"] = run(b, cap_b)["output_tok_s"] / run(a, cap_a)["output_tok_s"]
+    return out
+
+
+def plot(results: list[dict], summary: dict, path: pathlib.Path, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fmts = [r["format"] for r in results]
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
+    axes[0].bar(fmts, [r["pool_tokens"] / 1e3 for r in results], color="tab:gray")
+    axes[0].set_ylabel("KV pool capacity (k tokens, same bytes)")
+    conc = summary.get("iso_concurrency")
+    for ax, key, label in ((axes[1], "decode_tok_s", "decode tok/s (all requests decoding)"),
+                           (axes[2], "output_tok_s", "output tok/s (whole burst)")):
+        xs, width = range(len(fmts)), 0.38
+        iso = [r["runs"].get(str(conc), {}).get(key, 0) for r in results]
+        capv = [r["runs"].get(str(r["capacity_requests"]), {}).get(key, 0) for r in results]
+        ax.bar([x - width / 2 for x in xs], iso, width, label=f"iso-concurrency (C={conc})")
+        ax.bar([x + width / 2 for x in xs], capv, width,
+               label="iso-capacity (C=" + "/".join(str(r["capacity_requests"]) for r in results) + ")")
+        ax.set_xticks(list(xs))
+        ax.set_xticklabels(fmts)
+        ax.set_ylabel(label)
+        ax.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_engine_args(ap)
+    b = ap.add_argument_group("benchmark")
+    b.add_argument("--kv-formats", nargs="+", default=["fp8_e4m3", "nvfp4"])
+    b.add_argument("--input-len", type=int, default=32768)
+    b.add_argument("--output-len", type=int, default=1024)
+    b.add_argument("--concurrency", type=int, default=None,
+                   help="iso-concurrency C (default: the smallest capacity among the formats)")
+    b.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    b.add_argument("--ttft-probes", type=int, default=2)
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--out", default="out/e2e")
+    ns = ap.parse_args(argv)
+    ns.disable_radix_cache = True        # random prompts share nothing; keep the pool for them
+    return ns
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    conc = {"iso-concurrency": args.concurrency}   # None: set from the first engine's pool
+    results = [bench_format(f, args, args, conc) for f in args.kv_formats]
+    summary = summarize(results, conc["iso-concurrency"])
+    meta = {"input_len": args.input_len, "output_len": args.output_len,
+            "model_path": args.model_path, "load_format": args.load_format,
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            "torch": torch.__version__, "mem_fraction_static": args.mem_fraction_static,
+            "max_total_tokens": args.max_total_tokens}
+    (out / "e2e.json").write_text(json.dumps({"meta": meta, "summary": summary,
+                                              "results": results}, indent=1))
+    plot(results, summary, out / "e2e.png",
+         f"Nibble end to end: {args.input_len} in / {args.output_len} out, same KV bytes")
+    print(json.dumps(summary, indent=1))
+    print(f"wrote {out / 'e2e.json'} and {out / 'e2e.png'}")
+
+
+if __name__ == "__main__":
+    main()
