@@ -33,7 +33,8 @@ Calibrated recipes (a :class:`~.formats.KRecipe` on the format; ``nvfp4``,
     shift ``c [D]`` and a map ``M [D, D]`` from one calibration sequence; the
     backends then store ``k' = (k - c) @ M`` and attend with ``q' = q @ M^-T``
     over every key (fresh or cached), so ``q' . k' = q . k - q . c``: one
-    constant per query, which softmax ignores. See :class:`RecipeParams`.
+    constant per query, which softmax ignores. See :class:`RecipeParams`; the
+    calibration is in ``recipe_calibration.py``.
 """
 
 from __future__ import annotations
@@ -41,7 +42,6 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 
@@ -157,10 +157,6 @@ register_kv_format(KVCacheFormat("fp8k_nvfp4v", FP8_E4M3, NVFP4))
 
 # ------------------------------------------------------------------ calibrated recipes
 
-SINK_TOKENS = 1        # leading calibration tokens treated as the attention sink
-RIDGE = 1e-3           # relative ridge on the second moments of the balanced map
-
-
 @dataclass(frozen=True, eq=False)
 class RecipeParams:
     """Calibrated parameters of a :class:`~.formats.KRecipe` for one model.
@@ -265,136 +261,6 @@ class RecipeParams:
         t, hq, d = out.shape
         h = self.v_shift.shape[1]
         return (out.reshape(t, h, hq // h, d) + self.v_shift[layer][:, None]).reshape(t, hq, d)
-
-
-def _key_weights(q: torch.Tensor, k: torch.Tensor, sm_scale: float, window: int | None
-                 ) -> torch.Tensor:
-    """float64 ``[H, T]`` (CPU): attention mass each key receives from every query of the
-    calibration sequence and every query head of its group (causal, optionally windowed)."""
-    t, h, d = k.shape
-    s = torch.einsum("thgd,shd->hgts", q.reshape(t, h, -1, d), k) * sm_scale
-    pos = torch.arange(t, device=k.device)
-    rel = pos[:, None] - pos[None, :]
-    vis = (rel >= 0) if window is None else (rel >= 0) & (rel < window)
-    p = s.masked_fill(~vis, float("-inf")).softmax(-1)
-    return p.sum((1, 2)).double().cpu()
-
-
-def _psd_sqrt(a: torch.Tensor) -> torch.Tensor:
-    w, u = torch.linalg.eigh(a)
-    return (u * w.clamp_min(0).sqrt()) @ u.mT
-
-
-def _balanced_map(sk: torch.Tensor, sq: torch.Tensor) -> torch.Tensor:
-    """float64 ``[D, D]`` map ``M`` with ``M^T Sk M = M^-1 Sq M^-T`` (diagonal): K and q get
-    the same second moments, which minimises ``E|q'|^2 * E|k'|^2`` over invertible maps."""
-    d = sk.shape[0]
-    eye = torch.eye(d, dtype=sk.dtype)
-    sk = sk + (RIDGE * sk.trace() / d + 1e-12) * eye
-    sq = sq + (RIDGE * sq.trace() / d + 1e-12) * eye
-    root = _psd_sqrt(sk)
-    lam, u = torch.linalg.eigh(root @ sq @ root)
-    return torch.linalg.inv(root) @ u * lam.clamp_min(1e-30) ** 0.25
-
-
-def _rotation(d: int) -> torch.Tensor:
-    """float64 ``[d, d]``: the Hadamard matrix where ``d`` is a power of 2, else the identity."""
-    if d & (d - 1):
-        return torch.eye(d, dtype=torch.float64)
-    return hadamard(d).double()
-
-
-def _layer_map(transform: str, q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor
-               ) -> torch.Tensor | None:
-    """``M [H, D, D]`` float64 for centered ``keys [S, H, D]`` weighted by ``w [H, S]``."""
-    if transform == "none":
-        return None
-    s_, h, d = keys.shape
-    qg = q[-s_:].reshape(s_, h, -1, d)
-    if transform == "diag":
-        s = (keys.abs().amax(0) / qg.abs().amax((0, 2)).clamp_min(1e-12)).clamp_min(1e-12).sqrt()
-        m = torch.diag_embed(1.0 / s)
-    else:
-        sk = torch.einsum("hs,shd,she->hde", w, keys, keys)
-        qf = qg.transpose(0, 1).reshape(h, -1, d)
-        sq = qf.mT @ qf / qf.shape[1]
-        m = torch.stack([_balanced_map(sk[i], sq[i]) for i in range(h)]) @ _rotation(d)
-    # Keep k' as large as k - c (RMS over the calibration keys): E4M3 block scales stay normal.
-    before = keys.square().mean((0, 2)).sqrt()
-    after = torch.einsum("shd,hde->she", keys, m).square().mean((0, 2)).sqrt()
-    ratio = torch.where(after > 0, before / after, torch.ones_like(after))
-    return m * ratio[:, None, None]
-
-
-def _calibrate_layer(recipe: KRecipe, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     sm_scale: float, window: int | None,
-                     k_roundtrip: Callable[[torch.Tensor], torch.Tensor],
-                     v_roundtrip: Callable[[torch.Tensor], torch.Tensor]):
-    """``(k_shift [H, D], M [H, D, D] or None, v_shift [H, D] or None)``, float64 on CPU."""
-    kd = k.double().cpu()
-    t, h, _ = kd.shape
-    keys = kd[SINK_TOKENS:]
-    if recipe.center == "sink" or recipe.transform == "balanced":
-        w = _key_weights(q, k, sm_scale, window)[:, SINK_TOKENS:]
-    else:
-        w = torch.ones(h, t - SINK_TOKENS, dtype=torch.float64)
-    w = w / w.sum(-1, keepdim=True)
-    mean = torch.einsum("hs,shd->hd", w, keys)
-    m = _layer_map(recipe.transform, q.double().cpu(), keys - mean, w)
-    shift = mean
-    if recipe.center == "sink":
-        # Nudge the shift so the sink's k' lies on the NVFP4 grid: it is stored exactly.
-        y = kd[0] - mean
-        y = y if m is None else torch.einsum("hd,hde->he", y, m)
-        y = k_roundtrip(y.float()).double()
-        shift = kd[0] - (y if m is None else torch.einsum("he,hed->hd", y, torch.linalg.inv(m)))
-    v_shift = None
-    if recipe.center_v:
-        vd = v.double().cpu()
-        v0 = vd[0] - vd[SINK_TOKENS:].mean(0)
-        v_shift = vd[0] - v_roundtrip(v0.float()).double()
-    return shift, m, v_shift
-
-
-def element_roundtrip(fmt: ElementFormat, global_scale: float) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``x -> dequantize(quantize(x))`` in fp32 for one element format and global scale."""
-    def rt(x: torch.Tensor) -> torch.Tensor:
-        data, scales = fmt.quantize(x, global_scale)
-        return fmt.dequantize(data, scales, global_scale, torch.float32)
-    return rt
-
-
-def calibrate_recipe(recipe: KRecipe, captures: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-                     sm_scale: float, k_fmt: ElementFormat, v_fmt: ElementFormat,
-                     global_scales: torch.Tensor, windows: Sequence[int | None] = ()
-                     ) -> RecipeParams:
-    """Parameters of ``recipe`` from one calibration sequence run through the model.
-
-    Args:
-        captures: per layer ``(q [T, Hq, D], k [T, H, D], v [T, H, D])`` as the
-            attention backend receives them (RoPE applied), the sequence starting
-            at position 0 (its first token is the attention sink), ``T > 1``.
-        sm_scale: the model's softmax scale.
-        k_fmt, v_fmt: the element formats K and V are stored in.
-        global_scales: float32 ``[L, 2]`` (K, V), the pool's.
-        windows: per-layer sliding windows (None = full), or empty.
-    Returns:
-        :class:`RecipeParams` with ``[L, H, D]`` shifts (and ``[L, H, D, D]`` maps).
-    """
-    if not captures or captures[0][1].shape[0] <= SINK_TOKENS + 1:
-        raise KernelInputError("K recipe calibration needs a sequence of at least 3 tokens")
-    shifts, maps, v_shifts = [], [], []
-    for layer, (q, k, v) in enumerate(captures):
-        gk, gv = (float(x) for x in global_scales[layer])
-        shift, m, v_shift = _calibrate_layer(
-            recipe, q.float(), k.float(), v.float(), sm_scale, windows[layer] if windows else None,
-            element_roundtrip(k_fmt, gk), element_roundtrip(v_fmt, gv))
-        shifts.append(shift)
-        maps.append(m)
-        v_shifts.append(v_shift)
-    return RecipeParams.create(recipe, torch.stack(shifts),
-                               None if maps[0] is None else torch.stack(maps),
-                               None if v_shifts[0] is None else torch.stack(v_shifts))
 
 
 _KCB = DEFAULT_K_RECIPE                     # nvfp4_kcb is the default nvfp4 under its own name

@@ -8,6 +8,11 @@ with plain attention over fresh K/V: no download, no dependence on traffic, so
 every worker with the same weights, dtype and kind of device computes the same
 parameters (``RecipeParams.digest``; disaggregated workers and stored pages are
 checked against it).
+
+Post-RoPE keys drift with position, so the text also runs at later start
+positions spread over the engine's context (:func:`calibration_starts`): a
+recipe fitted only to the first few hundred positions can be worse than plain
+NVFP4 thousands of positions later (docs/accuracy.md).
 """
 
 from __future__ import annotations
@@ -19,12 +24,15 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from nibble.kernels.recipes import RecipeParams, calibrate_recipe
+from nibble.kernels.recipe_calibration import calibrate_recipe
+from nibble.kernels.recipes import RecipeParams
 from nibble.tiering import KVPool
 
 log = logging.getLogger(__name__)
 
 MAX_CALIBRATION_TOKENS = 768
+SHIFT_CONTEXT = 2048      # the shift fits positions [0, 2048): runs of the whole text
+MAP_RUNS, MAP_RUN_TOKENS = 6, 256   # the map also sees 6 short runs spread up to the context
 
 # Lewis Carroll, "Alice's Adventures in Wonderland" (1865), the opening of chapter I;
 # Abraham Lincoln, the Gettysburg Address (1863); Jane Austen, "Pride and Prejudice"
@@ -97,14 +105,28 @@ def calibration_ids(tokenizer, vocab_size: int, limit: int = MAX_CALIBRATION_TOK
     return ids
 
 
+def calibration_starts(num_tokens: int, context: int) -> tuple[list[int], list[int]]:
+    """Start positions ``(shift_runs, map_runs)``: runs of ``num_tokens`` tokens at 0 and,
+    if it fits, ending at ``min(context, SHIFT_CONTEXT)``; then ``MAP_RUNS`` runs of
+    ``MAP_RUN_TOKENS`` spread evenly from there to the end of the context."""
+    shift_end = min(context, SHIFT_CONTEXT)
+    shift = [0] if shift_end - num_tokens <= 0 else [0, shift_end - num_tokens]
+    span = context - MAP_RUN_TOKENS - shift_end
+    if span < 0:
+        return shift, []
+    return shift, sorted({shift_end + round(i * span / max(1, MAP_RUNS - 1))
+                          for i in range(MAP_RUNS)})
+
+
 @torch.inference_mode()
 def capture_qkv(model, ids: Sequence[int], sm_scale: float,
-                windows: Sequence[int | None] = ()) -> list[tuple[torch.Tensor, ...]]:
-    """Run ``ids`` (one sequence from position 0) through ``model`` with plain causal
-    attention over fresh K/V; per layer ``(q [T, Hq, D], k, v [T, H, D])`` float32."""
+                windows: Sequence[int | None] = (), start: int = 0
+                ) -> list[tuple[torch.Tensor, ...]]:
+    """Run ``ids`` (one sequence at positions ``start ...``) through ``model`` with plain
+    causal attention over fresh K/V; per layer ``(q [T, Hq, D], k, v [T, H, D])`` float32."""
     device = next(model.parameters()).device
     tokens = torch.tensor(list(ids), dtype=torch.long, device=device)
-    pos = torch.arange(len(ids), device=device)
+    pos = torch.arange(start, start + len(ids), device=device)
     rel = pos[:, None] - pos[None, :]
     captures: list[tuple[torch.Tensor, ...]] = []
 
@@ -121,23 +143,31 @@ def capture_qkv(model, ids: Sequence[int], sm_scale: float,
     return captures
 
 
-def calibrate_pool(model, tokenizer, pool: KVPool, arch) -> RecipeParams | None:
+def calibrate_pool(model, tokenizer, pool: KVPool, arch, context: int | None = None
+                   ) -> RecipeParams | None:
     """Calibrate and install the K-recipe parameters of ``pool``'s format, if it has a recipe.
 
     ``arch``: the model's ``ModelArchConfig`` (``sm_scale``, ``vocab_size``,
-    ``sliding_windows``). Returns the parameters, or None for a format without a recipe.
+    ``sliding_windows``, ``max_position_embeddings``); ``context``: the engine's
+    context length (default: the model's). Returns the parameters, or None for a
+    format without a recipe.
     """
     fmt = pool.layout.fmt
     if fmt.k_recipe is None:
         return None
     start = time.perf_counter()
+    context = min(context or arch.max_position_embeddings, arch.max_position_embeddings)
     windows = tuple(getattr(arch, "sliding_windows", ()) or ())
-    ids = calibration_ids(tokenizer, arch.vocab_size,
-                          min(MAX_CALIBRATION_TOKENS, arch.max_position_embeddings))
-    caps = capture_qkv(model, ids, arch.sm_scale, windows)
-    params = calibrate_recipe(fmt.k_recipe, caps, arch.sm_scale, fmt.k, fmt.v,
-                              pool.global_scales, windows)
+    ids = calibration_ids(tokenizer, arch.vocab_size, min(MAX_CALIBRATION_TOKENS, context))
+    shift_starts, map_starts = calibration_starts(len(ids), context)
+    runs = [capture_qkv(model, ids, arch.sm_scale, windows, s) for s in shift_starts]
+    runs += [capture_qkv(model, ids[:MAP_RUN_TOKENS], arch.sm_scale, windows, s)
+             for s in map_starts]
+    starts = shift_starts + map_starts
+    params = calibrate_recipe(fmt.k_recipe, runs, arch.sm_scale, fmt.k, fmt.v,
+                              pool.global_scales, windows, len(shift_starts))
     pool.set_recipe_params(params)
-    log.info("KV format %s: K recipe %s calibrated on %d tokens in %.2f s (parameters %s)",
-             fmt.name, fmt.k_recipe, len(ids), time.perf_counter() - start, params.digest)
+    log.info("KV format %s: K recipe %s calibrated on %d tokens at positions %s in %.2f s "
+             "(parameters %s)", fmt.name, fmt.k_recipe, len(ids), starts,
+             time.perf_counter() - start, params.digest)
     return params

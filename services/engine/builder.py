@@ -174,7 +174,8 @@ def build_parts(cfg: NibbleConfig) -> EngineParts:
     log.info("attention backend: %s", backend_name)
     weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
     pool = KVPool(layout, plan_num_pages(cfg.cache, layout, device, weight_bytes), device)
-    calibrate_pool(loaded.model, loaded.tokenizer, pool, arch)   # the format's K recipe, if any
+    # The format's K recipe, if any: calibrated over the context the engine will serve.
+    calibrate_pool(loaded.model, loaded.tokenizer, pool, arch, cfg.model.context_length)
     per_format = {name: PageLayout(name, **geometry).bytes_per_token for name in KV_CACHE_FORMATS}
     backend = ATTENTION_BACKENDS[backend_name](pool, arch.sm_scale, cfg.cache.prefill_kv_dtype)
     backend.set_sliding_windows(arch.sliding_windows)

@@ -1,5 +1,6 @@
-"""Calibrated K recipes (kernels/recipes.py): softmax invariance, the exact sink, the
-balanced map, the digest, and that centering removes the error a channel mean causes."""
+"""Calibrated K recipes (kernels/recipes.py, recipe_calibration.py): softmax invariance,
+the exact sink, the balanced map, the digest, pooling runs at later positions, and that
+centering removes the error a channel mean causes."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import torch
 
 from nibble.kernels import KernelInputError, get_kv_format
 from nibble.kernels.formats import BF16, NVFP4, KRecipe
-from nibble.kernels.recipes import (RIDGE, RecipeParams, _balanced_map, calibrate_recipe,
-                                    element_roundtrip)
+from nibble.kernels.recipe_calibration import (RIDGE, _balanced_map, calibrate_recipe,
+                                               element_roundtrip)
+from nibble.kernels.recipes import RecipeParams
 
 L, H, G, D, T = 2, 2, 3, 64, 96
 SM = D ** -0.5
@@ -48,7 +50,7 @@ def _attention(q, k, v):
 
 def _params(recipe: KRecipe, k_fmt=NVFP4, v_fmt=NVFP4, caps=None):
     caps = caps or _captures()
-    return calibrate_recipe(recipe, caps, SM, k_fmt, v_fmt, torch.ones(L, 2))
+    return calibrate_recipe(recipe, [caps], SM, k_fmt, v_fmt, torch.ones(L, 2))
 
 
 @pytest.mark.parametrize("recipe", [KRecipe("mean"), KRecipe("sink", "diag"),
@@ -159,7 +161,7 @@ def test_bf16_elements_and_v_shift_roundtrip():
 def test_calibration_needs_a_sequence():
     q, k, v = _captures()[0]
     with pytest.raises(KernelInputError):
-        calibrate_recipe(KRecipe(), [(q[:2], k[:2], v[:2])], SM, NVFP4, NVFP4, torch.ones(1, 2))
+        calibrate_recipe(KRecipe(), [[(q[:2], k[:2], v[:2])]], SM, NVFP4, NVFP4, torch.ones(1, 2))
 
 
 def test_default_nvfp4_has_the_recipe_and_plain_keeps_the_layout():

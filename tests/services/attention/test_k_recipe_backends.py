@@ -15,8 +15,10 @@ import torch
 from nibble.kernels import KV_CACHE_FORMATS, KVCacheFormat, register_kv_format
 from nibble.kernels.formats import BF16, KRecipe
 from nibble.services.attention import TritonAttentionBackend
-from nibble.services.attention.calibration import (CALIBRATION_TEXT, calibrate_pool,
-                                                   calibration_ids, capture_qkv)
+from nibble.services.attention.calibration import (CALIBRATION_TEXT, MAP_RUN_TOKENS,
+                                                   SHIFT_CONTEXT, calibrate_pool,
+                                                   calibration_ids, calibration_starts,
+                                                   capture_qkv)
 
 from .conftest import make_engine_with, mixed_arrivals, run_scenario, tiny_arch, tiny_model
 
@@ -82,12 +84,25 @@ def test_calibration_text_and_fallback_ids():
     assert len(ids) == 200 and len(set(ids)) == 200 and max(ids) < 1000
 
 
+def test_calibration_runs_cover_the_context():
+    """Post-RoPE K drifts with position: the runs reach the end of the engine's context."""
+    shift, spread = calibration_starts(713, 8192)
+    assert shift == [0, SHIFT_CONTEXT - 713]
+    assert spread[0] == SHIFT_CONTEXT and spread[-1] + MAP_RUN_TOKENS == 8192 and len(spread) == 6
+    assert calibration_starts(713, 1032) == ([0, 319], [])
+    assert calibration_starts(300, 300) == ([0], [])
+
+
 def test_capture_covers_every_layer(model64):
     caps = capture_qkv(model64, list(range(1, 41)), model64.arch.sm_scale)
     a = model64.arch
     assert len(caps) == a.num_layers
     q, k, v = caps[0]
     assert q.shape == (40, a.num_heads, 64) and k.shape == v.shape == (40, a.num_kv_heads, 64)
+    # The same text later: same values (RoPE is relative), keys rotated by the offset.
+    later = capture_qkv(model64, list(range(1, 41)), model64.arch.sm_scale, start=100)
+    torch.testing.assert_close(later[0][2], v, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(later[0][1], k, atol=1e-2)
 
 
 @pytest.mark.skipif(TritonAttentionBackend is None, reason="Triton is not importable")
