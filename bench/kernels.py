@@ -336,6 +336,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="first knob set only, fewer cases")
     ap.add_argument("--json", default=None, help="JSON path (default $OUT/kernels.json)")
+    ap.add_argument("--ops-only", action="store_true",
+                    help="bit-exactness and store/gather timings only (no decode sweep)")
     args = ap.parse_args()
     ONE = torch.ones(1, dtype=torch.float32, device=DEV)
     out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
@@ -349,8 +351,8 @@ def main() -> None:
     results["exact"] = {f: check_store_gather(f) for f in FORMATS}
     print("bit-exact store/gather:", results["exact"], flush=True)
 
-    best = {}
-    for fmt in FORMATS:
+    best = {f: None for f in FORMATS}
+    for fmt in () if args.ops_only else FORMATS:
         best[fmt] = sweep(fmt, SWEEP[fmt][:1] if args.quick else SWEEP[fmt], results)
         for d, s in sorted({(c[4], c[5]) for c in CASES} - {(128, 16)}):
             if best[fmt] is not None:
@@ -361,7 +363,8 @@ def main() -> None:
     cps = {f: sweep_splits(f, best[f], results) if best[f] and not args.quick else 4
            for f in FORMATS}
     results["best"], results["ctas_per_sm"] = best, cps
-    lines = decode_table(best, cps, read_bw, results, CASES[:2] if args.quick else CASES)
+    lines = [] if args.ops_only else decode_table(best, cps, read_bw, results,
+                                                  CASES[:2] if args.quick else CASES)
 
     other = ["| op | fmt | in -> out | us | GB/s | % copy BW |", "|---|---|---|---|---|---|"]
     for fmt in FORMATS:

@@ -1,13 +1,14 @@
-"""CUDA C++ NVFP4 decode on one Hopper GPU: correctness first, then timings against Triton.
+"""CUDA C++ NVFP4 and FP8 decode on one Hopper GPU: correctness first, then timings.
 
 Builds the extension (timed), checks every variant it times on fresh random data
 with NaN-poisoned outputs against the float32 reference, measures the read
 ceiling in the same run, then times decode (CUDA-graph replay, do_bench median)
-for the CUDA kernel's variants and split counts, the portable Triton NVFP4 kernel
-on the same pages, and the Triton FP8 kernel. Optionally dumps registers and SASS
+for the CUDA kernel's NVFP4 variants and split counts, the portable Triton NVFP4
+kernel on the same pages, the CUDA FP8 variants and the Triton FP8 kernel on one
+FP8 pool, and torch SDPA on contiguous BF16. Optionally dumps registers and SASS
 of the built extension (cuobjdump). Prints a table; JSON to ``$OUT/kernels_cuda.json``.
 
-    python bench/kernels_cuda.py [--quick] [--variants 4,3,14] [--sass]
+    python bench/kernels_cuda.py [--quick] [--variants 4,3,14] [--fp8-variants 110403] [--sass]
     python bench/kernels_cuda.py --diag            # loads-only / compute-only diagnostics
     ncu -k regex:decode_kernel python bench/kernels_cuda.py --profile 4   # one case, no graph
 """
@@ -36,7 +37,7 @@ except ImportError:  # not installed: map nibble.* onto the repository's folders
 
 from nibble.bench import kernels as tk  # noqa: E402
 from nibble.kernels import PageLayout, decode_attention_ref  # noqa: E402
-from nibble.kernels.cuda import VARIANTS, decode_attention_nvfp4_cuda  # noqa: E402
+from nibble.kernels.cuda import FP8_VARIANTS, VARIANTS, decode_attention_cuda  # noqa: E402
 from nibble.kernels.cuda import decode as cuda_decode  # noqa: E402
 from nibble.kernels.triton import decode as triton_decode  # noqa: E402
 from nibble.kernels.triton import store_kv  # noqa: E402
@@ -55,7 +56,7 @@ def check(variant: int, s: int, group: int, lens: list[int], seed: int) -> float
     """Relative error vs the fp32 reference; random pool bytes, then stored slots."""
     gen = torch.Generator(DEV).manual_seed(seed)
     h = 8
-    layout = PageLayout("nvfp4", 2, h, 128, s)
+    layout = PageLayout("fp8_e4m3" if variant in FP8_VARIANTS else "nvfp4", 2, h, 128, s)
     width = max(-(-n // s) for n in lens)
     pages = len(lens) * width
     pool = layout.allocate(pages, DEV).random_(0, 256, generator=gen)
@@ -68,7 +69,7 @@ def check(variant: int, s: int, group: int, lens: list[int], seed: int) -> float
     lens_t = torch.tensor(lens, dtype=torch.int32, device=DEV)
     q = torch.randn((len(lens), h * group, 128), generator=gen, device=DEV).to(torch.bfloat16)
     out = torch.full(q.shape, float("nan"), device=DEV)
-    decode_attention_nvfp4_cuda(layout, view, q, tables, lens_t, 128 ** -0.5, 0.37, 2.0, out=out,
+    decode_attention_cuda(layout, view, q, tables, lens_t, 128 ** -0.5, 0.37, 2.0, out=out,
                                 variant=variant)
     ref = decode_attention_ref(layout, view, q, tables, lens_t, 128 ** -0.5, 0.37, 2.0)
     if not torch.isfinite(out).all():
@@ -76,37 +77,56 @@ def check(variant: int, s: int, group: int, lens: list[int], seed: int) -> float
     return ((out - ref).norm() / ref.norm()).item()
 
 
-def time_case(case: tuple, variants: list[int], read_bw: float) -> dict:
-    """CUDA variants x split waves, then Triton NVFP4 on the same pages, then Triton FP8."""
+def time_cuda(layout, view, case: tuple, variants: list[int], read_bw: float) -> list[dict]:
+    """The CUDA kernel's ``variants`` x split waves on one pool."""
     b, ctx, hq, h, d, s = case
-    tables, lens, pages = tk.tables_for([ctx] * b, s, seed=ctx + b)
-    layout, pool, view = tk.filled_pool("nvfp4", h, d, s, pages, seed=b)
+    tables, lens, _ = tk.tables_for([ctx] * b, s, seed=ctx + b)
     q = torch.randn((b, hq, d), device=DEV, dtype=torch.bfloat16)
     out = torch.empty_like(q)
     nbytes = tk.kv_bytes(layout, b * ctx)
-    row = {"case": case, "bytes": nbytes, "cuda": []}
+    rows = []
     for var in variants:
         for waves in WAVES:
             ns = cuda_decode.default_num_splits(b, h, ctx, DEV, var, waves)
-            fn = lambda: decode_attention_nvfp4_cuda(  # noqa: E731
+            fn = lambda: decode_attention_cuda(  # noqa: E731
                 layout, view, q, tables, lens, d ** -0.5, tk.ONE, tk.ONE, out=out, num_splits=ns,
                 variant=var)
             sec = tk.graph_time(fn)
-            row["cuda"].append({"variant": var, "waves": waves, "splits": ns, "us": sec * 1e6,
-                                "bw": nbytes / sec})
-            print(f"  cuda v{var:<2d} waves={waves} splits={ns:3d} {sec * 1e6:8.1f} us "
+            rows.append({"variant": var, "waves": waves, "splits": ns, "us": sec * 1e6,
+                         "bw": nbytes / sec})
+            print(f"  cuda v{var:<6d} waves={waves} splits={ns:3d} {sec * 1e6:8.1f} us "
                   f"{100 * nbytes / sec / read_bw:5.1f}%", flush=True)
-    knobs, cps = TRITON["nvfp4"]
-    bn, nw, st, sm, ptx = knobs
+    return rows
+
+
+def time_triton(layout, view, case: tuple, fmt: str) -> dict:
+    """The portable Triton decode with its best knobs on the same pool."""
+    b, ctx, hq, h, d, s = case
+    tables, lens, _ = tk.tables_for([ctx] * b, s, seed=ctx + b)
+    q = torch.randn((b, hq, d), device=DEV, dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    (bn, nw, st, sm, ptx), cps = TRITON[fmt]
     ns = triton_decode.default_num_splits(b, h, ctx, DEV, cps)
-    fn = lambda: triton_decode.decode_attention(  # noqa: E731
+    sec = tk.graph_time(lambda: triton_decode.decode_attention(
         layout, view, q, tables, lens, d ** -0.5, tk.ONE, tk.ONE, out=out, num_splits=ns,
-        block_n=bn, num_warps=nw, num_stages=st, scale_mode=sm, ptx=ptx)
-    sec = tk.graph_time(fn)
-    row["triton_nvfp4"] = {"us": sec * 1e6, "bw": nbytes / sec, "splits": ns}
-    del pool, view
-    torch.cuda.empty_cache()
-    row["triton_fp8"] = tk.time_decode("fp8_e4m3", case, *TRITON["fp8_e4m3"])
+        block_n=bn, num_warps=nw, num_stages=st, scale_mode=sm, ptx=ptx))
+    nbytes = tk.kv_bytes(layout, b * ctx)
+    return {"us": sec * 1e6, "bw": nbytes / sec, "splits": ns}
+
+
+def time_case(case: tuple, variants: list[int], fp8_variants: list[int], read_bw: float) -> dict:
+    """NVFP4 (CUDA variants, Triton) on one pool, FP8 (CUDA, Triton) on another, then SDPA."""
+    b, ctx, hq, h, d, s = case
+    _, _, pages = tk.tables_for([ctx] * b, s, seed=ctx + b)
+    row: dict = {"case": case}
+    for fmt, vars_ in (("nvfp4", variants), ("fp8_e4m3", fp8_variants)):
+        layout, pool, view = tk.filled_pool(fmt, h, d, s, pages, seed=b)
+        row[f"bytes_{fmt}"] = tk.kv_bytes(layout, b * ctx)
+        row[f"cuda_{fmt}"] = time_cuda(layout, view, case, vars_, read_bw)
+        row[f"triton_{fmt}"] = time_triton(layout, view, case, fmt)
+        del pool, view
+        torch.cuda.empty_cache()
+    row["sdpa"] = tk.time_sdpa(case) if s == 16 else None
     return row
 
 
@@ -122,26 +142,27 @@ def diag(read_bw: float) -> list[dict]:
         nbytes = tk.kv_bytes(layout, b * ctx)
         for var in (4, 1004, 2004):
             ns = cuda_decode.default_num_splits(b, h, ctx, DEV, 4)
-            sec = tk.graph_time(lambda: decode_attention_nvfp4_cuda(  # noqa: E731
+            sec = tk.graph_time(lambda: decode_attention_cuda(  # noqa: E731
                 layout, view, q, tables, lens, d ** -0.5, tk.ONE, tk.ONE, out=out, num_splits=ns,
                 variant=var))
             rows.append({"case": case, "variant": var, "us": sec * 1e6, "bw": nbytes / sec})
             pct = 100 * nbytes / sec / read_bw
             print(f"diag {b} x {ctx} v{var}: {sec * 1e6:.1f} us ({pct:.0f}% of read BW)",
                   flush=True)
-        del pool, view
+        pool = view = None  # free the pool before the next case
     return rows
 
 
 def profile(variant: int) -> None:
-    """One (8, 32768) decode, three plain launches (for ncu)."""
+    """One (8, 32768) decode, three plain launches (for ncu), on pages of the variant's format."""
     b, ctx, hq, h, d, s = CASES[1]
     tables, lens, pages = tk.tables_for([ctx] * b, s, seed=ctx + b)
-    layout, pool, view = tk.filled_pool("nvfp4", h, d, s, pages, seed=b)
+    fmt = "fp8_e4m3" if variant in FP8_VARIANTS else "nvfp4"
+    layout, pool, view = tk.filled_pool(fmt, h, d, s, pages, seed=b)
     q = torch.randn((b, hq, d), device=DEV, dtype=torch.bfloat16)
     for _ in range(3):
-        decode_attention_nvfp4_cuda(layout, view, q, tables, lens, d ** -0.5, tk.ONE, tk.ONE,
-                                    variant=variant)
+        decode_attention_cuda(layout, view, q, tables, lens, d ** -0.5, tk.ONE, tk.ONE,
+                              variant=variant)
     torch.cuda.synchronize()
 
 
@@ -180,6 +201,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="first two cases only")
     ap.add_argument("--variants", default=",".join(map(str, VARIANTS)))
+    ap.add_argument("--fp8-variants", default=",".join(map(str, FP8_VARIANTS)))
     ap.add_argument("--sass", action="store_true", help="registers and SASS loop counts")
     ap.add_argument("--diag", action="store_true", help="loads-only / compute-only timings")
     ap.add_argument("--profile", type=int, default=None, help="run one case with VARIANT")
@@ -198,8 +220,10 @@ def main() -> None:
     res["read_bw"] = read_bw
     print(f"{props.name}: build {res['build_s']:.0f} s, read ceiling {read_bw / 1e12:.2f} TB/s",
           flush=True)
-    variants = []
-    for var in map(int, args.variants.split(",")):
+    variants, fp8_variants = [], []
+    wanted = [int(v) for v in args.variants.split(",") if v]
+    wanted += [int(v) for v in args.fp8_variants.split(",") if v]
+    for var in wanted:
         errs = [check(var, s, g, lens, seed) for s, g, lens, seed in (
             (16, 4, [1, 15, 16, 17, 2999, 40000], 1), (64, 4, [63, 3000, 9000], 2),
             (32, 8, [500, 5], 3), (16, 2, [1234], 4))]
@@ -207,13 +231,13 @@ def main() -> None:
         res["checks"].append({"variant": var, "errs": errs, "ok": ok})
         print(f"check v{var}: max rel err {max(errs):.2e} {'ok' if ok else 'BAD'}", flush=True)
         if ok:
-            variants.append(var)
+            (fp8_variants if var in FP8_VARIANTS else variants).append(var)
     if args.diag:
         res["diag"] = diag(read_bw)
     cases = [] if args.diag else CASES[:2] if args.quick else CASES
     for case in cases:
         print(f"case {case}", flush=True)
-        res["decode"].append(time_case(case, variants, read_bw))
+        res["decode"].append(time_case(case, variants, fp8_variants, read_bw))
     if args.sass:
         res["sass"] = sass_report(out_dir)
         for name, info in res["sass"].items():
@@ -226,17 +250,22 @@ def main() -> None:
 
 def table(rows: list[dict], read_bw: float) -> list[str]:
     pct = lambda r: f"{r['us']:.1f} ({100 * r['bw'] / read_bw:.0f}%)"  # noqa: E731
-    lines = ["| batch x ctx | page | CUDA nvfp4 us (% BW) | variant, splits | Triton nvfp4 | "
-             "Triton fp8 | vs Triton fp8 | vs Triton nvfp4 |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| batch x ctx | page | CUDA nvfp4 us (% BW) | variant, splits | CUDA fp8 | variant, "
+             "splits | Triton nvfp4 | Triton fp8 | SDPA bf16 | nvfp4 vs fp8 (CUDA) | "
+             "vs Triton fp8 | vs SDPA |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        best = min(r["cuda"], key=lambda c: c["us"]) if r["cuda"] else None
-        if best is None:
+        if not r["cuda_nvfp4"] or not r["cuda_fp8_e4m3"]:
             continue
+        n4 = min(r["cuda_nvfp4"], key=lambda c: c["us"])
+        f8 = min(r["cuda_fp8_e4m3"], key=lambda c: c["us"])
         b, ctx, *_, s = r["case"]
-        lines.append(f"| {b} x {ctx} | {s} | {pct(best)} | v{best['variant']}, {best['splits']} | "
-                     f"{pct(r['triton_nvfp4'])} | {pct(r['triton_fp8'])} | "
-                     f"{r['triton_fp8']['us'] / best['us']:.2f}x | "
-                     f"{r['triton_nvfp4']['us'] / best['us']:.2f}x |")
+        sd = r["sdpa"]
+        lines.append(
+            f"| {b} x {ctx} | {s} | {pct(n4)} | v{n4['variant']}, {n4['splits']} | {pct(f8)} | "
+            f"v{f8['variant']}, {f8['splits']} | {pct(r['triton_nvfp4'])} | "
+            f"{pct(r['triton_fp8_e4m3'])} | {pct(sd) if sd else '-'} | "
+            f"{f8['us'] / n4['us']:.2f}x | {r['triton_fp8_e4m3']['us'] / n4['us']:.2f}x | "
+            f"{(sd['us'] / n4['us']) if sd else float('nan'):.2f}x |")
     return lines
 
 

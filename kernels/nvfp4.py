@@ -11,9 +11,12 @@ Format
 * One FP32 ``global_scale`` per tensor (per layer for K and per layer for V).
 
 Quantize: ``scale = e4m3(amax / 6 / global_scale)`` (round to nearest even,
-saturating at 448); each value is divided by ``float(scale) * global_scale``
-and rounded to the nearest E2M1 value, ties to even, saturating at +-6. A block
-whose rounded scale is 0 (all zeros, or too small for E4M3) encodes as zeros.
+saturating at 448); each value is multiplied by the fp32 reciprocal of
+``float(scale) * global_scale`` (one IEEE division per block, as production
+quantizers do; an overflowing reciprocal is clamped to the largest finite fp32)
+and the fp32 product is rounded to the nearest E2M1 value, ties to even,
+saturating at +-6. A block whose rounded scale is 0 (all zeros, or too small
+for E4M3) encodes as zeros.
 The sign bit is the IEEE sign of the input, so ``-0.0`` and tiny negatives give
 code ``0x8`` (negative zero), as the hardware ``cvt.rn.satfinite.e2m1x2`` does.
 
@@ -66,11 +69,27 @@ def e4m3_round(x: torch.Tensor) -> torch.Tensor:
     return x.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
 
 
-def e2m1_encode(q: torch.Tensor) -> torch.Tensor:
-    """Round FP32 values (already divided by their scale) to 4-bit E2M1 codes.
+def block_reciprocal(scale: torch.Tensor, gs: torch.Tensor) -> torch.Tensor:
+    """fp32 ``1 / (float(scale) * gs)`` per block (IEEE division), 0 where that product is 0.
 
     Args:
-        q: float32 tensor of any shape, finite.
+        scale: float8_e4m3fn block scales ``[...]``.
+        gs: fp32 global scale (0-d, same device).
+    Returns:
+        float32 ``[...]``. A reciprocal that overflows is clamped to the largest
+        finite fp32, so that zeros in its block still encode as (signed) zero.
+    """
+    denom = scale.float() * gs
+    safe = torch.where(denom > 0, denom, torch.ones_like(denom))
+    inv = (torch.ones_like(safe) / safe).clamp(max=torch.finfo(torch.float32).max)
+    return torch.where(denom > 0, inv, torch.zeros_like(inv))
+
+
+def e2m1_encode(q: torch.Tensor) -> torch.Tensor:
+    """Round FP32 values (already multiplied by their block reciprocal) to 4-bit E2M1 codes.
+
+    Args:
+        q: float32 tensor of any shape, not NaN (+-inf saturates).
     Returns:
         uint8 tensor of the same shape with values 0..15 (bit 3 = sign).
     """
@@ -125,9 +144,7 @@ def quantize_nvfp4(x: torch.Tensor, global_scale: float | torch.Tensor
     blocks = xf.unflatten(-1, (-1, BLOCK))
     amax = blocks.abs().amax(dim=-1)
     scale = e4m3_round(amax / E2M1_MAX / gs)
-    denom = scale.float() * gs
-    safe = torch.where(denom > 0, denom, torch.ones_like(denom)).unsqueeze(-1)
-    q = torch.where(denom.unsqueeze(-1) > 0, blocks / safe, blocks * 0.0)
+    q = blocks * block_reciprocal(scale, gs).unsqueeze(-1)
     codes = e2m1_encode(q).flatten(-2)
     return pack_nibbles(codes), scale.view(torch.uint8)
 

@@ -1,7 +1,8 @@
-"""CUDA C++ sources of the NVFP4 decode kernel, kept as strings (built on first use).
+"""CUDA C++ sources of the NVFP4 / FP8 decode kernel, kept as strings (built on first use).
 
 ``PARAMS`` is shared by the device code (``CUDA_SRC`` = ``PARAMS`` + :mod:`._src_tile`
-+ :mod:`._src_kernel`) and the torch binding (``CPP_SRC``). The device code includes no
++ :mod:`._src_pipe` + :mod:`._src_fp8` + :mod:`._src_kernel`) and the torch binding
+(``CPP_SRC``). The device code includes no
 torch header, so nvcc compiles it quickly and it can also be compiled alone
 (``nvcc -cubin``) to read registers and SASS.
 
@@ -31,9 +32,16 @@ combine through shared memory and write one partial; a reduce kernel combines sp
   registers (ping-pong), or a per-warp ``cp.async`` ring in shared memory with
   lane-private chunk layouts (conflict-free), consumed one tile or two tiles (one
   softmax step per 32 tokens, two independent score chains) at a time.
+* FP8 E4M3 pages (``decode.FP8_VARIANTS``) share everything but the tile: the ring
+  loops, softmax step and combine are templates over a *format policy* (NVFP4 or FP8,
+  see :mod:`._src_pipe` and :mod:`._src_fp8`); FP8 converts with one
+  ``cvt.rn.f16x2.e4m3x2`` per 2 values and has no block scales.
 """
 
+from ._src_fp8 import FP8_SRC
 from ._src_kernel import KERNEL_SRC
+from ._src_pipe import PIPE_SRC
+from ._src_store import STORE_SRC
 from ._src_tile import TILE_SRC
 
 PARAMS = r"""
@@ -51,14 +59,25 @@ struct Params {
   float qk_scale;                                       // sm_scale * log2(e) * 2^7
   float* part_o; float* part_ml;                        // [B, Hq, nsplit, 128], [.., 2]
 };
+struct StoreParams {                                    // NVFP4 quantize-and-store
+  const void* k; const void* v; long long k_t, k_h, v_t, v_h;  // [T, H, D], element strides
+  int in_dtype;                                         // 0 bf16, 1 FP8 E4M3
+  const void* slots; int slot_i64;                      // [T] page * S + offset, < 0: skip
+  int n_tokens, num_heads, head_dim;
+  uint8_t* kd; uint8_t* vd; uint8_t* ks; uint8_t* vs;   // layer views at page 0
+  long long page_stride, d_h, d_t, s_h, s_t;            // bytes: page; code / scale head, token
+  int page_size;
+  const float* k_gs; const float* v_gs;
+};
 void launch_decode(const Params& p, int batch, int variant, void* stream);
+void launch_store(const StoreParams& p, void* stream);
 void launch_reduce(const float* part_o, const float* part_ml, void* out, long long o_b,
                    long long o_h, int out_dtype, int batch, int hq, int nsplit, void* stream);
 int decode_occupancy(int variant);
 }  // namespace nibble_nvfp4
 """
 
-CUDA_SRC = PARAMS + TILE_SRC + KERNEL_SRC
+CUDA_SRC = PARAMS + TILE_SRC + PIPE_SRC + FP8_SRC + KERNEL_SRC + STORE_SRC
 
 CPP_SRC = r"""
 #include <torch/extension.h>
@@ -103,4 +122,24 @@ void decode(torch::Tensor q, torch::Tensor bt, torch::Tensor seq_lens, torch::Te
 }
 
 int64_t occupancy(int64_t variant) { return decode_occupancy((int)variant); }
+
+void store(torch::Tensor k, torch::Tensor v, torch::Tensor slots, torch::Tensor kd,
+           torch::Tensor vd, torch::Tensor ks, torch::Tensor vs, torch::Tensor k_gs,
+           torch::Tensor v_gs, int64_t page_size) {
+  TORCH_CHECK(k.is_cuda() && kd.is_cuda(), "store: CUDA tensors expected");
+  const c10::cuda::CUDAGuard guard(k.device());
+  StoreParams p;
+  p.k = k.data_ptr(); p.v = v.data_ptr();
+  p.k_t = k.stride(0); p.k_h = k.stride(1); p.v_t = v.stride(0); p.v_h = v.stride(1);
+  p.in_dtype = k.scalar_type() == torch::kFloat8_e4m3fn ? 1 : 0;
+  p.slots = slots.data_ptr(); p.slot_i64 = slots.scalar_type() == torch::kInt64;
+  p.n_tokens = (int)k.size(0); p.num_heads = (int)k.size(1); p.head_dim = (int)k.size(2);
+  p.kd = kd.data_ptr<uint8_t>(); p.vd = vd.data_ptr<uint8_t>();
+  p.ks = ks.data_ptr<uint8_t>(); p.vs = vs.data_ptr<uint8_t>();
+  p.page_stride = kd.stride(0); p.d_h = kd.stride(1); p.d_t = kd.stride(2);
+  p.s_h = ks.stride(1); p.s_t = ks.stride(2); p.page_size = (int)page_size;
+  p.k_gs = k_gs.data_ptr<float>(); p.v_gs = v_gs.data_ptr<float>();
+  launch_store(p, c10::cuda::getCurrentCUDAStream().stream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
 """

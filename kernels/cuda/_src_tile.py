@@ -10,6 +10,7 @@ TILE_SRC = r"""
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include <math.h>
+#include <type_traits>
 
 namespace nibble_nvfp4 {
 

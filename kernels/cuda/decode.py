@@ -1,10 +1,10 @@
-"""NVFP4 paged decode attention in CUDA C++ for Hopper (sm_90a), built on first use.
+"""NVFP4 and FP8 paged decode attention in CUDA C++ for Hopper (sm_90a), built on first use.
 
-The kernel (see :mod:`._sources`) dequantizes E2M1 codes in registers and runs
-``mma.sync`` fp16 MMAs; a small reduce kernel combines the splits. Nothing is
-compiled at import: :func:`decode_attention_nvfp4_cuda` checks its arguments
-first and builds the extension (``torch.utils.cpp_extension.load_inline``,
-about a minute) on its first valid call.
+The kernel (see :mod:`._sources`) converts E2M1 codes (NVFP4) or E4M3 bytes (FP8)
+in registers and runs ``mma.sync`` fp16 MMAs; a small reduce kernel combines the
+splits. Nothing is compiled at import: :func:`decode_attention_cuda` checks its
+arguments first and builds the extension (``torch.utils.cpp_extension.load_inline``,
+about 30 s) on its first valid call.
 
 The launch reads every length on the device and its grid depends only on
 host-known shapes, so it is CUDA-graph safe.
@@ -34,10 +34,17 @@ MIN_TILES_PER_WARP = 4
 # prefetched into registers); dequant 0: byte-permute bit placement, 1: E4M3 bytes widened
 # by cvt; cap (CTAs per SM): 4 -> 128 registers, 3 -> 168.
 VARIANTS = (10404, 4, 3, 14, 404, 10604)
+# FP8 E4M3 pages (100000 + the same fields; cp.async rings only): 110602 two tiles per step,
+# 6 stages (two pairs in flight), 2 CTAs per SM; 110403 / 110404 4 stages, 168 / 128-register
+# caps; 100304 / 100204 one tile per step, 3 / 2 stages.
+FP8_VARIANTS = (110602, 110403, 110404, 100304, 100204)
 # Diagnostics for the benchmark only (wrong results): 1004 loads without compute, 2004
 # computes on register data without loads.
 DIAG_VARIANTS = (1004, 2004)
 DEFAULT_VARIANT = 10404  # fastest on an H200 in 4 of the 5 benchmark cases
+DEFAULT_FP8_VARIANT = 110602  # equal to 110403 in sum over the benchmark cases, 6% faster
+                               # at 64 x 4096, 2% slower at 32 x 32768 (H200)
+FORMATS = ("nvfp4", "fp8_e4m3")
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _SOURCE_TAG = hashlib.sha1((CUDA_SRC + CPP_SRC).encode()).hexdigest()[:10]
 
@@ -53,7 +60,7 @@ def _module():
     from torch.utils.cpp_extension import load_inline
     kwargs = dict(
         name=f"nibble_nvfp4_decode_{_SOURCE_TAG}", cpp_sources=[CPP_SRC],
-        cuda_sources=[CUDA_SRC], functions=["decode", "occupancy"],
+        cuda_sources=[CUDA_SRC], functions=["decode", "occupancy", "store"],
         extra_cflags=["-O2"],
         extra_cuda_cflags=["-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a"],
         verbose=os.environ.get("NIBBLE_CUDA_VERBOSE") == "1")
@@ -85,9 +92,9 @@ def default_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, device: 
 
 def _check_layout(layout: PageLayout) -> None:
     fmt = layout.fmt
-    if fmt.k.name != "nvfp4" or fmt.v.name != "nvfp4":
-        raise KernelInputError(f"the CUDA decode kernel needs NVFP4 K and V, got "
-                               f"{layout.kv_format!r}")
+    if fmt.k.name != fmt.v.name or fmt.k.name not in FORMATS:
+        raise KernelInputError(f"the CUDA decode kernel needs NVFP4 or FP8 E4M3 for both K and "
+                               f"V, got {layout.kv_format!r}")
     if layout.head_dim != HEAD_DIM:
         raise KernelInputError(f"the CUDA decode kernel supports head_dim {HEAD_DIM}, got "
                                f"{layout.head_dim}")
@@ -117,8 +124,8 @@ def _check_q_out(layout: PageLayout, q: torch.Tensor, out: torch.Tensor | None) 
 
 
 def _check_pool_views(pages: LayerPages) -> int:
-    """All four views must come from one pool (one page stride); returns that stride."""
-    views = (pages.k_data, pages.v_data, pages.k_scale, pages.v_scale)
+    """All views must come from one pool (one page stride); returns that stride."""
+    views = tuple(v for v in pages if v is not None)
     stride = pages.k_data.stride(0)
     if any(v.stride(0) != stride for v in views):
         raise KernelInputError("K/V code and scale views must share one page stride "
@@ -131,17 +138,23 @@ def _check_pool_views(pages: LayerPages) -> int:
     return stride
 
 
-def decode_attention_nvfp4_cuda(layout: PageLayout, pages: LayerPages, q: torch.Tensor,
-                                block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                                sm_scale: float, k_scale: float | torch.Tensor = 1.0,
-                                v_scale: float | torch.Tensor = 1.0, *,
-                                out: torch.Tensor | None = None, num_splits: int | None = None,
-                                max_seq_len: int | None = None,
-                                variant: int = DEFAULT_VARIANT) -> torch.Tensor:
-    """Paged GQA decode over NVFP4 pages: ``q[b]`` attends over ``seq_lens[b]`` cached tokens.
+def default_variant(layout: PageLayout) -> int:
+    """The fastest measured variant for the layout's page format."""
+    return DEFAULT_FP8_VARIANT if layout.fmt.k.name == "fp8_e4m3" else DEFAULT_VARIANT
+
+
+def decode_attention_cuda(layout: PageLayout, pages: LayerPages, q: torch.Tensor,
+                          block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                          sm_scale: float, k_scale: float | torch.Tensor = 1.0,
+                          v_scale: float | torch.Tensor = 1.0, *,
+                          out: torch.Tensor | None = None, num_splits: int | None = None,
+                          max_seq_len: int | None = None,
+                          variant: int | None = None) -> torch.Tensor:
+    """Paged GQA decode over NVFP4 or FP8 pages: ``q[b]`` attends over ``seq_lens[b]`` tokens.
 
     Args:
-        layout: an ``nvfp4`` :class:`PageLayout` with head_dim 128 and page_size 16 * 2^k.
+        layout: an ``nvfp4`` or ``fp8_e4m3`` :class:`PageLayout` with head_dim 128 and
+            page_size 16 * 2^k.
         pages: one layer's views from ``layout.layer_view(pool, layer)`` on a CUDA device.
         q: ``[B, Hq, 128]`` bf16/fp16/fp32 (unit inner stride), ``Hq = G * H`` with
             ``1 <= G <= 8``. Values must fit fp16 (the MMA operands are fp16).
@@ -152,7 +165,8 @@ def decode_attention_nvfp4_cuda(layout: PageLayout, pages: LayerPages, q: torch.
         out: optional ``[B, Hq, 128]`` bf16/fp16/fp32 output; default ``q.dtype``.
         num_splits: CTAs (of 4 warps) per (sequence, KV head); default
             :func:`default_num_splits` from ``max_seq_len`` (default ``M * S``).
-        variant: kernel variant from :data:`VARIANTS`.
+        variant: kernel variant from :data:`VARIANTS` (NVFP4) or :data:`FP8_VARIANTS`;
+            default :func:`default_variant`.
     Returns:
         ``out``.
     Raises:
@@ -167,12 +181,16 @@ def decode_attention_nvfp4_cuda(layout: PageLayout, pages: LayerPages, q: torch.
     page_stride = _check_pool_views(pages)
     if block_tables.shape[0] != q.shape[0]:
         raise KernelInputError(f"block_tables has {block_tables.shape[0]} rows, q {q.shape[0]}")
-    if variant not in VARIANTS + DIAG_VARIANTS:
-        raise KernelInputError(f"variant must be one of {VARIANTS}, got {variant}")
+    fp8 = layout.fmt.k.name == "fp8_e4m3"
+    variant = default_variant(layout) if variant is None else variant
+    allowed = FP8_VARIANTS if fp8 else VARIANTS + DIAG_VARIANTS
+    if variant not in allowed:
+        raise KernelInputError(f"variant must be one of {allowed} for {layout.kv_format}, got "
+                               f"{variant}")
     if num_splits is not None and num_splits < 1:
         raise KernelInputError(f"num_splits must be >= 1, got {num_splits}")
     if torch.cuda.get_device_capability(device) != (9, 0):
-        raise KernelInputError("the CUDA NVFP4 decode kernel is built for sm_90a (Hopper)")
+        raise KernelInputError("the CUDA decode kernel is built for sm_90a (Hopper)")
     kgs = scale_tensor(k_scale, device, "k_scale")
     vgs = scale_tensor(v_scale, device, "v_scale")
     out = torch.empty_like(q) if out is None else out
@@ -186,7 +204,15 @@ def decode_attention_nvfp4_cuda(layout: PageLayout, pages: LayerPages, q: torch.
     part_o = torch.empty((nb, hq, nsplit, d), dtype=torch.float32, device=device)
     part_ml = torch.empty((nb, hq, nsplit, 2), dtype=torch.float32, device=device)
     tpp_log2 = (layout.page_size // 16).bit_length() - 1
-    _module().decode(q, block_tables, seq_lens, pages.k_data, pages.v_data, pages.k_scale,
-                     pages.v_scale, page_stride, layout.page_size, tpp_log2, hq // h, kgs, vgs,
-                     sm_scale * LOG2E * 128.0, part_o, part_ml, out, nsplit, variant)
+    # NVFP4 operands are value * 2^-7 (see _sources); FP8 ones are exact. FP8 pages have no
+    # scale sections: the kernel never reads the scale pointers then.
+    ks = pages.k_data if fp8 else pages.k_scale
+    vs = pages.k_data if fp8 else pages.v_scale
+    _module().decode(q, block_tables, seq_lens, pages.k_data, pages.v_data, ks, vs, page_stride,
+                     layout.page_size, tpp_log2, hq // h, kgs, vgs,
+                     sm_scale * LOG2E * (1.0 if fp8 else 128.0), part_o, part_ml, out, nsplit,
+                     variant)
     return out
+
+
+decode_attention_nvfp4_cuda = decode_attention_cuda  # the name before FP8 pages were served

@@ -1,10 +1,18 @@
 """Quantize-and-store: new tokens' K/V into one layer's pages (portable Triton).
 
 Bit-identical to :func:`nibble.kernels.paged_ref.store_kv_ref` for every format:
-NVFP4 rounds the block scale to E4M3 (RNE, saturating at 448), divides each value
-by ``scale * global_scale`` with IEEE division, rounds to E2M1 with ties to even
-and takes the sign from the IEEE sign bit; FP8 divides by the layer scale and
-rounds to E4M3 (RNE, saturating); BF16 rounds to nearest even.
+NVFP4 rounds the block scale to E4M3 (RNE, saturating at 448), multiplies each
+value by the block's fp32 reciprocal of ``scale * global_scale`` (one IEEE
+division per block), rounds the product to E2M1 with ties to even and takes the
+sign from the IEEE sign bit; FP8 divides by the layer scale and rounds to E4M3
+(RNE, saturating); BF16 rounds to nearest even.
+
+NVFP4 work is split so that one thread holds whole 16-value blocks (tiles
+``[ROWS, D // 16, 8]`` of even and of odd values, each block read with 16-byte
+loads): a block's amax, its one division for the reciprocal, the per-value
+encoding (one multiply, three fp32 roundings and a ``min``, no conversion
+instruction) and the nibble pairing all stay in registers, and each block's 8
+code bytes leave in one 8-byte store.
 """
 
 from __future__ import annotations
@@ -18,90 +26,198 @@ from ..layout import LayerPages, PageLayout
 from ._common import (bf16_rne, check_int_vector, check_pages, e4m3_encode, e4m3_to_f16,
                       element_codes, hw_fp8, scale_tensor, typed_data)
 
-ROWS = 16  # token-head rows per program
+# Launch shape (``.devrun/store_sweep.py`` times alternatives). ROWS: (token, head) rows
+# per tile, a power of 2; None gives one 16-value block of K (and of V) per thread.
+ROWS: int | None = None
+NUM_WARPS = 2
+TILES = 1       # tiles per program
+FP32_MAX = tl.constexpr(3.4028234663852886e38)  # largest finite fp32
 
 
 @triton.jit
-def _e2m1_magnitude(mag):
-    """fp32 ``mag >= 0`` (value / block scale) -> 3-bit E2M1 magnitude code, RNE, saturating.
+def _e2m1_nibbles(x, inv):
+    """fp32 values times their block's reciprocal ``inv`` (broadcast) -> uint32 whose low
+    4 bits are the E2M1 code (bit 3 = the IEEE sign of ``x``); the bits above are garbage.
 
-    At or above 1 the fp32 mantissa is rounded to one bit (ties to even) and the
-    code read off exponent and mantissa; below 1 adding 2^22 rounds to a multiple
-    of 0.5 (fp32 addition is RNE), giving codes 0..2.
+    The fp32 product ``m`` is rounded three ways at magnitude 2^22, where the fp32
+    ulp is 0.5 and addition rounds to nearest even: to multiples of 0.5 (code
+    ``2m``, right below 2), of 1 (code ``m + 2``, right on [2, 4)) and of 2 (code
+    ``m / 2 + 4``, right from 4). Every candidate is >= the right code and the
+    right one is the smallest, so ``min`` (and 7 for saturation) picks it; the
+    code is then the low bits of the result (2^22 = 0x4A800000). No conversion
+    instruction, no division per value.
     """
-    bits = mag.to(tl.int32, bitcast=True)
-    rounded = bits + 0x1FFFFF + ((bits >> 22) & 1)
-    normal = tl.minimum((rounded >> 22) - 252, 7)
-    sub = (((mag + 4194304.0) - 4194304.0) * 2.0).to(tl.int32)
-    return tl.where(mag < 1.0, sub, normal)
+    q = x * inv
+    m = tl.abs(q)
+    # Launched with fp fusion off: q must be rounded before the adds (no fma(|x|, inv, 2^22)).
+    s1 = m + 4194304.0
+    s2 = tl.fma(m, 0.5, 4194305.0)
+    s3 = tl.fma(m, 0.25, 4194306.0)
+    u = tl.minimum(tl.minimum(s1, s2), tl.minimum(s3, 4194307.5))
+    return u.to(tl.uint32, bitcast=True) | ((q.to(tl.uint32, bitcast=True) >> 28) & 8)
 
 
 @triton.jit
-def _store_nvfp4_rows(x_ptr, xrow, sx_d, d_ptr, drow, s_ptr, srow, gs_ptr, rmask,
-                      D: tl.constexpr, HW: tl.constexpr):
-    """Quantize ``[ROWS, D]`` rows to NVFP4, tiles ``[ROWS, D // 16, 16]`` (one block per row)."""
-    NB: tl.constexpr = D // 16
+def _pair_bytes(even, odd, inv):
+    """fp32 even/odd values of blocks ``[R, NB, 8]`` -> uint8 code bytes (even value in the
+    low nibble)."""
+    return (_e2m1_nibbles(even, inv) + _e2m1_nibbles(odd, inv) * 16).to(tl.uint8)
+
+
+@triton.jit
+def _concat(a, b):
+    """``[R, NB, n]`` twice -> ``[R, NB, 2n]``, ``a`` first (a register renaming per thread)."""
+    ab = tl.permute(tl.join(a, b), (0, 1, 3, 2))
+    return tl.reshape(ab, [a.shape[0], a.shape[1], 2 * a.shape[2]])
+
+
+@triton.jit
+def _load_blocks(x_ptr, xrow, sx_d, m3, NB: tl.constexpr, LOAD: tl.constexpr):
+    """fp32 ``(even, odd)`` ``[ROWS, NB, 8]``: values ``2j`` and ``2j + 1`` of every block.
+
+    Each thread holds whole blocks; rows masked off load nothing (their values are
+    never stored). ``LOAD`` 1: bf16 read as 32-bit pairs (even value in
+    the low half), two 16-byte loads per block; 2: 1-byte values, one 16-byte load per
+    block; 0: any dtype or stride, two loads of 8 values per block.
+    """
     blk = tl.arange(0, NB)[None, :, None]
-    m3 = rmask[:, None, None]
-    col = (blk * 16 + tl.arange(0, 16)[None, None, :]).to(tl.int64) * sx_d
-    x = tl.load(x_ptr + xrow[:, None, None] + col, mask=m3, other=0.0).to(tl.float32)
-    amax = tl.max(tl.abs(x), axis=2)  # [ROWS, NB]
-    gs = tl.load(gs_ptr)
-    sbyte = e4m3_encode(tl.math.div_rn(tl.math.div_rn(amax, tl.full(amax.shape, 6.0, tl.float32)),
-                                       tl.full(amax.shape, 1.0, tl.float32) * gs), HW)
-    denom = (e4m3_to_f16(sbyte, HW).to(tl.float32) * gs)[:, :, None]
-    # div_rn does not broadcast its operands.
-    safe = tl.broadcast_to(tl.where(denom > 0, denom, 1.0), x.shape)
-    mag = tl.where(denom > 0, tl.math.div_rn(tl.abs(x), safe), 0.0)
-    sign = (x.to(tl.int32, bitcast=True) >> 28) & 8
-    code = _e2m1_magnitude(mag) | sign
-    lo, hi = tl.split(tl.reshape(code, [code.shape[0], NB, 8, 2]))
-    byte = (lo | (hi << 4)).to(tl.uint8)
-    tl.store(d_ptr + drow[:, None, None] + blk * 8 + tl.arange(0, 8)[None, None, :], byte,
-             mask=m3)
-    tl.store(s_ptr + srow[:, None] + tl.arange(0, NB)[None, :], sbyte, mask=rmask[:, None])
+    if LOAD == 1:
+        ptr = x_ptr.to(tl.pointer_type(tl.uint32)) + (xrow >> 1)[:, None, None] + blk * 8
+        col = tl.arange(0, 4)[None, None, :]
+        w = _concat(tl.load(ptr + col, mask=m3), tl.load(ptr + col + 4, mask=m3))
+        return (w << 16).to(tl.float32, bitcast=True), (w & 0xFFFF0000).to(tl.float32, bitcast=True)
+    else:
+        ptr = x_ptr + xrow[:, None, None] + (blk * 16).to(tl.int64) * sx_d
+        if LOAD == 2:
+            x = tl.load(ptr + tl.arange(0, 16)[None, None, :].to(tl.int64) * sx_d, mask=m3)
+        else:
+            col = tl.arange(0, 8)[None, None, :].to(tl.int64) * sx_d
+            x = _concat(tl.load(ptr + col, mask=m3), tl.load(ptr + col + 8 * sx_d, mask=m3))
+        return tl.split(tl.reshape(x.to(tl.float32), [xrow.shape[0], NB, 8, 2]))
 
 
 @triton.jit
-def _store_rows(x_ptr, xrow, sx_d, d_ptr, drow, s_ptr, srow, gs_ptr, rmask,
-                D: tl.constexpr, FMT: tl.constexpr, HW: tl.constexpr):
-    """Quantize ``[ROWS, D]`` rows of ``x`` and store them at ``drow``/``srow`` offsets."""
+def _load_rows(x_ptr, xrow, sx_d, rmask, D: tl.constexpr, FMT: tl.constexpr,
+               LOAD: tl.constexpr):
+    """Load ``ROWS`` rows as fp32: NVFP4 ``(even, odd)`` (see :func:`_load_blocks`); other
+    formats ``(x, x)`` with ``x`` ``[ROWS, D]``."""
     if FMT == 2:
-        _store_nvfp4_rows(x_ptr, xrow, sx_d, d_ptr, drow, s_ptr, srow, gs_ptr, rmask, D, HW)
+        return _load_blocks(x_ptr, xrow, sx_d, rmask[:, None, None], D // 16, LOAD)
     else:
         col = tl.arange(0, D)[None, :]
+        x = tl.load(x_ptr + xrow[:, None] + col.to(tl.int64) * sx_d, mask=rmask[:, None],
+                    other=0.0).to(tl.float32)
+        return x, x
+
+
+@triton.jit
+def _store_nvfp4(even, odd, d_ptr, drow, s_ptr, srow, s_blk, gs_ptr, rmask, HW: tl.constexpr):
+    """Quantize blocks given as fp32 ``(even, odd)`` ``[ROWS, NB, 8]``; store codes and scales."""
+    NB: tl.constexpr = even.shape[1]
+    amax = tl.max(tl.maximum(tl.abs(even), tl.abs(odd)), axis=2)  # [ROWS, NB]
+    gs = tl.full(amax.shape, 1.0, tl.float32) * tl.load(gs_ptr)  # div_rn does not broadcast
+    sbyte = e4m3_encode(tl.math.div_rn(tl.math.div_rn(amax, tl.full(amax.shape, 6.0, tl.float32)),
+                                       gs), HW)
+    denom = e4m3_to_f16(sbyte, HW).to(tl.float32) * gs
+    inv = tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), tl.where(denom > 0, denom, 1.0))
+    inv = tl.where(denom > 0, tl.minimum(inv, FP32_MAX), 0.0)
+    ptr = d_ptr + drow[:, None, None] + (tl.arange(0, NB)[None, :, None] * 8
+                                         + tl.arange(0, 8)[None, None, :])
+    tl.store(ptr, _pair_bytes(even, odd, inv[:, :, None]), mask=rmask[:, None, None])
+    # s_blk (1, not specialized) hides the scales' contiguity: a thread holding several
+    # blocks then stores each scale byte from where it is, without a layout shuffle.
+    tl.store(s_ptr + srow[:, None] + tl.arange(0, NB)[None, :] * s_blk, sbyte,
+             mask=rmask[:, None])
+
+
+@triton.jit
+def _store_rows(x, d_ptr, drow, s_ptr, srow, s_blk, gs_ptr, rmask,
+                D: tl.constexpr, FMT: tl.constexpr, HW: tl.constexpr):
+    """Quantize rows loaded by :func:`_load_rows` and store them at ``drow``/``srow`` offsets."""
+    if FMT == 2:
+        _store_nvfp4(x[0], x[1], d_ptr, drow, s_ptr, srow, s_blk, gs_ptr, rmask, HW)
+    else:
+        lo = x[0]
+        col = tl.arange(0, D)[None, :]
         m2 = rmask[:, None]
-        x = tl.load(x_ptr + xrow[:, None] + col.to(tl.int64) * sx_d, mask=m2, other=0.0)
-        x = x.to(tl.float32)
         if FMT == 0:
-            tl.store(d_ptr + drow[:, None] + col, bf16_rne(x, HW), mask=m2)
+            tl.store(d_ptr + drow[:, None] + col, bf16_rne(lo, HW), mask=m2)
         else:
-            gs = tl.full(x.shape, 1.0, tl.float32) * tl.load(gs_ptr)
-            tl.store(d_ptr + drow[:, None] + col, e4m3_encode(tl.math.div_rn(x, gs), HW),
+            gs = tl.full(lo.shape, 1.0, tl.float32) * tl.load(gs_ptr)
+            tl.store(d_ptr + drow[:, None] + col, e4m3_encode(tl.math.div_rn(lo, gs), HW),
                      mask=m2)
 
 
 @triton.jit
-def _store_kv_kernel(k_ptr, sk_t, sk_h, sk_d, v_ptr, sv_t, sv_h, sv_d, slot_ptr, n_rows,
-                     kd_ptr, kd_p, kd_h, kd_t, ks_ptr, ks_p, ks_h, ks_t,
-                     vd_ptr, vd_p, vd_h, vd_t, vs_ptr, vs_p, vs_h, vs_t,
-                     kgs_ptr, vgs_ptr, H, PAGE,
-                     D: tl.constexpr, ROWS: tl.constexpr, K_FMT: tl.constexpr,
-                     V_FMT: tl.constexpr, HW: tl.constexpr):
-    """One program quantizes ``ROWS`` (token, head) rows of K and of V."""
-    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+def _load_tile(k_ptr, v_ptr, slot_ptr, n_rows, tile, SK_T: tl.constexpr, SK_H: tl.constexpr,
+               SK_D: tl.constexpr, SV_T: tl.constexpr, SV_H: tl.constexpr, SV_D: tl.constexpr,
+               H: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, K_FMT: tl.constexpr,
+               V_FMT: tl.constexpr, K_LOAD: tl.constexpr, V_LOAD: tl.constexpr):
+    """(token, head) rows ``tile * ROWS ..``: ``(k, v, slot, h, rmask)`` with ``k``/``v``
+    from :func:`_load_rows` and ``slot``, ``h``, ``rmask`` ``[ROWS]``."""
+    r = tile * ROWS + tl.arange(0, ROWS)
     t = r // H
-    h = (r % H).to(tl.int64)
-    slot = tl.load(slot_ptr + t, mask=r < n_rows, other=-1).to(tl.int64)
+    h = r % H
+    slot = tl.load(slot_ptr + t, mask=r < n_rows, other=-1)
     rmask = (r < n_rows) & (slot >= 0)
-    slot = tl.maximum(slot, 0)
-    page = slot // PAGE
-    off = slot % PAGE
     t = t.to(tl.int64)
-    _store_rows(k_ptr, t * sk_t + h * sk_h, sk_d, kd_ptr, page * kd_p + h * kd_h + off * kd_t,
-                ks_ptr, page * ks_p + h * ks_h + off * ks_t, kgs_ptr, rmask, D, K_FMT, HW)
-    _store_rows(v_ptr, t * sv_t + h * sv_h, sv_d, vd_ptr, page * vd_p + h * vd_h + off * vd_t,
-                vs_ptr, page * vs_p + h * vs_h + off * vs_t, vgs_ptr, rmask, D, V_FMT, HW)
+    kx = _load_rows(k_ptr, t * SK_T + h * SK_H, SK_D, rmask, D, K_FMT, K_LOAD)
+    vx = _load_rows(v_ptr, t * SV_T + h * SV_H, SV_D, rmask, D, V_FMT, V_LOAD)
+    return kx, vx, slot, h, rmask
+
+
+@triton.jit
+def _store_tile(x, kd_ptr, ks_ptr, vd_ptr, vs_ptr, s_blk, kgs_ptr, vgs_ptr,
+                KD_P: tl.constexpr, KD_H: tl.constexpr, KD_T: tl.constexpr,
+                KS_P: tl.constexpr, KS_H: tl.constexpr, KS_T: tl.constexpr,
+                VD_P: tl.constexpr, VD_H: tl.constexpr, VD_T: tl.constexpr,
+                VS_P: tl.constexpr, VS_H: tl.constexpr, VS_T: tl.constexpr,
+                PAGE: tl.constexpr, D: tl.constexpr, K_FMT: tl.constexpr, V_FMT: tl.constexpr,
+                HW: tl.constexpr):
+    """Quantize and store a tile ``x`` from :func:`_load_tile`."""
+    kx, vx, slot, h, rmask = x
+    # A slot indexes a pool that fits in memory: 32 bits, and offsets within a page too.
+    slot = tl.maximum(slot, 0).to(tl.uint32)
+    page = (slot // PAGE).to(tl.int64)
+    off = (slot % PAGE).to(tl.int32)
+    _store_rows(kx, kd_ptr, page * KD_P + (h * KD_H + off * KD_T),
+                ks_ptr, page * KS_P + (h * KS_H + off * KS_T), s_blk, kgs_ptr, rmask, D, K_FMT, HW)
+    _store_rows(vx, vd_ptr, page * VD_P + (h * VD_H + off * VD_T),
+                vs_ptr, page * VS_P + (h * VS_H + off * VS_T), s_blk, vgs_ptr, rmask, D, V_FMT, HW)
+
+
+@triton.jit(do_not_specialize=["s_blk"])
+def _store_kv_kernel(k_ptr, v_ptr, slot_ptr, n_rows, kd_ptr, ks_ptr, vd_ptr, vs_ptr, s_blk,
+                     kgs_ptr, vgs_ptr, SK_T: tl.constexpr, SK_H: tl.constexpr,
+                     SK_D: tl.constexpr, SV_T: tl.constexpr, SV_H: tl.constexpr,
+                     SV_D: tl.constexpr, KD_P: tl.constexpr, KD_H: tl.constexpr,
+                     KD_T: tl.constexpr, KS_P: tl.constexpr, KS_H: tl.constexpr,
+                     KS_T: tl.constexpr, VD_P: tl.constexpr, VD_H: tl.constexpr,
+                     VD_T: tl.constexpr, VS_P: tl.constexpr, VS_H: tl.constexpr,
+                     VS_T: tl.constexpr, H: tl.constexpr, PAGE: tl.constexpr,
+                     D: tl.constexpr, ROWS: tl.constexpr, TILES: tl.constexpr,
+                     K_FMT: tl.constexpr, V_FMT: tl.constexpr, HW: tl.constexpr,
+                     K_LOAD: tl.constexpr, V_LOAD: tl.constexpr):
+    """One program quantizes ``TILES`` tiles of ``ROWS`` (token, head) rows of K and of V.
+
+    A tile's K and V are loaded before anything is stored (the compiler may not move
+    loads past stores), and the next tile's loads are issued before this tile's
+    stores, so loads stay in flight while a thread computes. Strides, ``H`` and
+    ``PAGE`` are compile-time constants (fixed for a model and pool): row and slot
+    arithmetic needs no division, and K and V share it where their strides agree.
+    """
+    first = tl.program_id(0) * TILES
+    cur = _load_tile(k_ptr, v_ptr, slot_ptr, n_rows, first, SK_T, SK_H, SK_D, SV_T, SV_H, SV_D,
+                     H, D, ROWS, K_FMT, V_FMT, K_LOAD, V_LOAD)
+    for i in tl.static_range(TILES):
+        if i + 1 < TILES:
+            nxt = _load_tile(k_ptr, v_ptr, slot_ptr, n_rows, first + i + 1, SK_T, SK_H, SK_D,
+                             SV_T, SV_H, SV_D, H, D, ROWS, K_FMT, V_FMT, K_LOAD, V_LOAD)
+        _store_tile(cur, kd_ptr, ks_ptr, vd_ptr, vs_ptr, s_blk, kgs_ptr, vgs_ptr, KD_P, KD_H,
+                    KD_T, KS_P, KS_H, KS_T, VD_P, VD_H, VD_T, VS_P, VS_H, VS_T, PAGE, D, K_FMT,
+                    V_FMT, HW)
+        if i + 1 < TILES:
+            cur = nxt
 
 
 def _check_inputs(layout: PageLayout, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -135,22 +251,44 @@ def store_kv(layout: PageLayout, pages: LayerPages, k: torch.Tensor, v: torch.Te
     unspecified.
     """
     _check_inputs(layout, k, v)
-    device = k.device
-    check_pages(layout, pages, device)
-    check_int_vector(slot_mapping, "slot_mapping", k.shape[0], device)
-    t, h, d = k.shape
-    if t == 0:
+    check_pages(layout, pages, k.device)
+    check_int_vector(slot_mapping, "slot_mapping", k.shape[0], k.device)
+    if k.shape[0] == 0:
         return
+    rows = ROWS or 1 << (max(1, 32 * NUM_WARPS * 16 // k.shape[2]).bit_length() - 1)
+    _launch(layout, pages, k, v, slot_mapping, k_scale, v_scale, rows, NUM_WARPS, TILES)
+
+
+def _launch(layout: PageLayout, pages: LayerPages, k: torch.Tensor, v: torch.Tensor,
+            slot_mapping: torch.Tensor, k_scale: float | torch.Tensor,
+            v_scale: float | torch.Tensor, rows: int, num_warps: int, tiles: int = 1) -> None:
+    """Launch the store kernel: tiles of ``rows`` rows (a power of 2), ``tiles`` tiles per
+    program of ``num_warps`` warps; arguments already checked by :func:`store_kv`."""
+    device = k.device
+    t, h, d = k.shape
     kf, vf = element_codes(layout)
-    hw = hw_fp8(device)
     kgs = scale_tensor(k_scale, device, "k_scale")
     vgs = scale_tensor(v_scale, device, "v_scale")
     kd, vd = typed_data(pages.k_data, kf), typed_data(pages.v_data, vf)
     ks = pages.k_scale if pages.k_scale is not None else pages.k_data
     vs = pages.v_scale if pages.v_scale is not None else pages.v_data
-    grid = (triton.cdiv(t * h, ROWS),)
-    _store_kv_kernel[grid](
-        k, *k.stride(), v, *v.stride(), slot_mapping, t * h,
-        kd, *kd.stride()[:3], ks, *ks.stride()[:3], vd, *vd.stride()[:3], vs, *vs.stride()[:3],
-        kgs, vgs, h, layout.page_size,
-        D=d, ROWS=ROWS, K_FMT=kf, V_FMT=vf, HW=hw, num_warps=4)
+    # Strides are compile-time constants; a size-1 dimension's stride is irrelevant.
+    strides = [st if n > 1 else 0 for x in (k, v) for n, st in zip(x.shape, x.stride())]
+    for view in (kd, ks, vd, vs):
+        strides += view.stride()[:3]
+    names = ("SK_T", "SK_H", "SK_D", "SV_T", "SV_H", "SV_D", "KD_P", "KD_H", "KD_T", "KS_P",
+             "KS_H", "KS_T", "VD_P", "VD_H", "VD_T", "VS_P", "VS_H", "VS_T")
+    _store_kv_kernel[(triton.cdiv(t * h, rows * tiles),)](
+        k, v, slot_mapping, t * h, kd, ks, vd, vs, 1, kgs, vgs, **dict(zip(names, strides)),
+        H=h, PAGE=layout.page_size, D=d, ROWS=rows, TILES=tiles, K_FMT=kf, V_FMT=vf,
+        HW=hw_fp8(device), K_LOAD=_load_mode(k), V_LOAD=_load_mode(v), num_warps=num_warps,
+        enable_fp_fusion=False)
+
+
+def _load_mode(x: torch.Tensor) -> int:
+    """How the NVFP4 path reads ``x`` (see ``_load_blocks``): 1 for bf16 readable as aligned
+    32-bit pairs, 2 for 1-byte values, else 0."""
+    if (x.dtype == torch.bfloat16 and x.stride(2) == 1 and x.stride(0) % 2 == 0
+            and x.stride(1) % 2 == 0 and x.data_ptr() % 4 == 0):
+        return 1
+    return 2 if x.element_size() == 1 else 0

@@ -1,11 +1,11 @@
 """Which paged-decode kernel the Triton attention backend launches.
 
-Two kernels read the same NVFP4 pages with the same call convention
+Two kernels read the same NVFP4 (or FP8 E4M3) pages with the same call convention
 (``fn(layout, pages, q, block_tables, seq_lens, sm_scale, k_scale, v_scale, *,
 out, num_splits)``, no host sync, grid from host-known shapes):
 
-* ``"cuda-sm90"``: :func:`~nibble.kernels.cuda.decode_attention_nvfp4_cuda`, the
-  register-level Hopper kernel (NVFP4 K and V, head_dim 128, page size 16 * 2^k,
+* ``"cuda-sm90"``: :func:`~nibble.kernels.cuda.decode_attention_cuda`, the
+  register-level Hopper kernel (NVFP4 or FP8 E4M3 K and V, head_dim 128, page size 16 * 2^k,
   at most 8 query heads per KV head, compute capability 9.0 exactly);
 * ``"triton"``: the portable :func:`~nibble.kernels.triton.decode_attention`.
 
@@ -29,6 +29,7 @@ from nibble.kernels.errors import KernelInputError
 from ..errors import ConfigError
 
 ENV_VAR = "NIBBLE_DECODE_KERNEL"
+STORE_ENV_VAR = "NIBBLE_STORE_KERNEL"
 CUDA_SM90 = "cuda-sm90"
 TRITON = "triton"
 _CHOICES = ("auto", "triton", "cuda")
@@ -61,7 +62,7 @@ def group_reason(num_q_heads: int, num_kv_heads: int) -> str | None:
 
 def cuda_unsupported_reason(layout: PageLayout, device: torch.device,
                             num_q_heads: int | None = None) -> str | None:
-    """Why :func:`decode_attention_nvfp4_cuda` cannot serve ``layout`` on ``device``, or None.
+    """Why :func:`decode_attention_cuda` cannot serve ``layout`` on ``device``, or None.
 
     Uses the wrapper's own layout checks; the capability is asked last, so a
     non-CUDA device or an unfit layout never touches the CUDA runtime.
@@ -99,7 +100,8 @@ def select_decode_impl(layout: PageLayout, device: torch.device,
         return DecodeChoice(TRITON, f"{ENV_VAR}=triton", True)
     reason = cuda_unsupported_reason(layout, device, num_q_heads)
     if reason is None:
-        why = f"{ENV_VAR}=cuda" if want == "cuda" else "NVFP4 KV, head_dim 128, Hopper"
+        why = (f"{ENV_VAR}=cuda" if want == "cuda"
+               else f"{layout.fmt.k.name} KV, head_dim 128, Hopper")
         return DecodeChoice(CUDA_SM90, why, want == "cuda")
     if want == "cuda":
         raise ConfigError(f"{ENV_VAR}=cuda: {reason}")
@@ -120,3 +122,30 @@ def confirm_group(choice: DecodeChoice, num_q_heads: int, num_kv_heads: int) -> 
     if choice.forced:
         raise ConfigError(f"{ENV_VAR}=cuda: {reason}")
     return DecodeChoice(TRITON, reason, False)
+
+
+def select_store_impl(layout: PageLayout, device: torch.device) -> str:
+    """The NVFP4 quantize-and-store kernel: "triton" unless ``NIBBLE_STORE_KERNEL=cuda``.
+
+    The CUDA C++ kernel (:func:`~nibble.kernels.cuda.store_kv_nvfp4_cuda`) writes the same
+    bytes as the Triton one but measured slower on an H200 (docs/benchmarks.md), so it is
+    opt-in: forced, it runs for NVFP4 K and V on a compute capability 9.0 device, and each
+    call still falls back to Triton for inputs it does not take (fp16/fp32, unaligned rows).
+
+    Raises:
+        ConfigError: ``NIBBLE_STORE_KERNEL`` is not auto|triton|cuda, or it is ``cuda``
+            where the kernel cannot run.
+    """
+    want = os.environ.get(STORE_ENV_VAR, "").strip().lower() or "auto"
+    if want not in _CHOICES:
+        raise ConfigError(f"{STORE_ENV_VAR} must be one of {_CHOICES}, got {want!r}")
+    if want != "cuda":
+        return TRITON
+    fmt = layout.fmt
+    if fmt.k.name != "nvfp4" or fmt.v.name != "nvfp4":
+        raise ConfigError(f"{STORE_ENV_VAR}=cuda: the CUDA store writes NVFP4 pages, not "
+                          f"{layout.kv_format!r}")
+    if device.type != "cuda" or tuple(torch.cuda.get_device_capability(device)) != (9, 0):
+        raise ConfigError(f"{STORE_ENV_VAR}=cuda: the CUDA store needs a compute capability "
+                          f"9.0 device, got {device}")
+    return CUDA_SM90

@@ -24,21 +24,25 @@ tensor, refreshed in ``plan`` only when the pool's ``scale_version`` changes.
 
 from __future__ import annotations
 
+import functools
+
 import logging
 
 import torch
 import triton
 
 from nibble.kernels import PageLayout
-from nibble.kernels.cuda import decode_attention_nvfp4_cuda
+from nibble.kernels.cuda import decode_attention_nvfp4_cuda, default_variant, store_kv_nvfp4_cuda
 from nibble.kernels.cuda import default_num_splits as cuda_num_splits
+from nibble.kernels.cuda.store import unsupported_reason as cuda_store_reason
 from nibble.kernels.triton import decode_attention, default_num_splits, gather_kv, store_kv
 from nibble.kernels.triton._common import FORMAT_CODES
 from nibble.tiering import KVPool
 
 from ..errors import ConfigError
 from .base import AttentionBackend, AttentionMetadata, RecipeHook, fresh_kv, register_backend
-from .decode_select import CUDA_SM90, DecodeChoice, confirm_group, select_decode_impl
+from .decode_select import (CUDA_SM90, DecodeChoice, confirm_group, select_decode_impl,
+                            select_store_impl)
 
 DECODE_HEAD_DIMS = (64, 128, 256)
 log = logging.getLogger(__name__)
@@ -82,9 +86,12 @@ class TritonAttentionBackend(AttentionBackend):
         reason = self.unsupported_reason(pool.layout, pool.device)
         if reason is not None:
             raise ConfigError(reason)
+        self.layout = pool.layout
+        self.store_impl = select_store_impl(pool.layout, pool.device)
         self._set_decode(select_decode_impl(pool.layout, pool.device, num_q_heads))
         self._group_checked = num_q_heads is not None
-        log.info("decode kernel: %s (%s)", self.decode_impl, self._decode_choice.why)
+        log.info("decode kernel: %s (%s); store kernel: %s", self.decode_impl,
+                 self._decode_choice.why, self.store_impl)
         self.pool = pool
         self.layout = pool.layout
         self.device = pool.device
@@ -97,11 +104,21 @@ class TritonAttentionBackend(AttentionBackend):
         self._ws: tuple[torch.Tensor, torch.Tensor] | None = None
         self._recipe = RecipeHook(pool, pool.device)     # the format's calibrated K recipe
 
+    def _store(self, pages, k: torch.Tensor, v: torch.Tensor, ks: torch.Tensor,
+               vs: torch.Tensor) -> None:
+        """Quantize and store this step's K/V: the CUDA kernel where it takes them, else Triton."""
+        if self.store_impl == CUDA_SM90 and cuda_store_reason(self.layout, k, v) is None:
+            store_kv_nvfp4_cuda(self.layout, pages, k, v, self._slots, ks, vs)
+        else:
+            store_kv(self.layout, pages, k, v, self._slots, ks, vs)
+
     def _set_decode(self, choice: DecodeChoice) -> None:
         self._decode_choice = choice
         self.decode_impl = choice.impl
         if choice.impl == CUDA_SM90:
-            self._decode_fn, self._splits_fn = decode_attention_nvfp4_cuda, cuda_num_splits
+            variant = default_variant(self.layout)
+            self._decode_fn = functools.partial(decode_attention_nvfp4_cuda, variant=variant)
+            self._splits_fn = functools.partial(cuda_num_splits, variant=variant)
         else:
             self._decode_fn, self._splits_fn = decode_attention, default_num_splits
 
@@ -224,7 +241,7 @@ class TritonAttentionBackend(AttentionBackend):
         ks, vs = self._scales[layer]
         q, k, v = self._recipe.apply(layer, q, k, v)
         k, v = fresh_kv(k, self.fp8_fresh), fresh_kv(v, self.fp8_fresh)
-        store_kv(self.layout, pages, k, v, self._slots, ks, vs)
+        self._store(pages, k, v, ks, vs)
         out = torch.empty_like(q)
         if meta.prefill or meta.extend:
             k, v = k.to(q.dtype), v.to(q.dtype)

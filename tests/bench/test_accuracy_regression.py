@@ -20,7 +20,7 @@ TOKENS, CHUNK = 512, 16
 # Measured at 512 tokens, chunk 16 (docs/accuracy.md). ``nvfp4`` is the default 4-bit
 # format (calibrated K recipe); ``nvfp4_plain`` is NVFP4 without it.
 MEASURED = {"fp8_e4m3": {"kl": 0.0023, "top1": 0.977},
-            "nvfp4": {"kl": 0.0044, "top1": 0.967, "ppl_rise_pct": -0.32},
+            "nvfp4": {"kl": 0.0053, "top1": 0.963, "ppl_rise_pct": 0.27},
             "nvfp4_plain": {"kl": 0.0213, "top1": 0.908}}
 
 
@@ -56,7 +56,7 @@ def test_default_nvfp4_meets_the_targets(results):
     assert 0.0 < r["kl"] < 1.5 * m["kl"]
     assert r["kl"] <= 3.0 * results["fp8_e4m3"]["kl"]
     assert r["top1"] > max(0.93, m["top1"] - 0.02)
-    assert r["ppl_rise_pct"] < 1.0
+    assert r["ppl_rise_pct"] < 1.0                       # measured +0.27%
     # The 4-bit K error stays visible: nvfp4 is measurably worse than fp8.
     assert r["kl"] > results["fp8_e4m3"]["kl"]
 
@@ -66,7 +66,7 @@ def test_recipe_beats_plain_nvfp4(results):
     r, m = results["nvfp4_plain"], MEASURED["nvfp4_plain"]
     assert 0.0 < r["kl"] < 1.5 * m["kl"]
     assert r["top1"] > m["top1"] - 0.05
-    assert results["nvfp4"]["kl"] < r["kl"] / 3          # measured 4.8x lower
+    assert results["nvfp4"]["kl"] < r["kl"] / 3          # measured 4.0x lower
 
 
 def test_first_divergence_and_agreement():

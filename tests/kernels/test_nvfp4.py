@@ -43,17 +43,22 @@ CASES = [
     ("global_scale_3", [36, 1.5, 4.5, 7.5, 10.5, 15, 21, 30,
                         -36, -1.5, -4.5, -7.5, -10.5, -15, -21, -30], 3.0,
      [0x07, 0x22, 0x44, 0x66, 0x8F, 0xAA, 0xCC, 0xEE], 0x40),
-    # t = 45/6/5 = 1.5 (0x3C), denominator 7.5; 1/7.5 is inexact, so a kernel that
-    # multiplies by the reciprocal lands 9.375 etc. just above the tie.
+    # t = 45/6/5 = 1.5 (0x3C), denominator 7.5; the values are the case-1 ties * 7.5.
+    # 1/7.5 rounds up to 0x3E088889 (1/7.5 + 6.9e-9), so the fp32 products land just
+    # above the ties, except 1.875 * inv, which rounds back to exactly 0.25 (1.3e-8
+    # over it, less than half its ulp 2**-25): 0.25 -> 0, 0.75+ -> 1.0, 1.25+ -> 1.5,
+    # 1.75+ -> 2.0, 2.5+ -> 3.0, 3.5+ -> 4.0, 5+ -> 6.0 (dividing would give the ties).
     ("global_scale_5", [45, 1.875, 5.625, 9.375, 13.125, 18.75, 26.25, 37.5,
                         -45, -1.875, -5.625, -9.375, -13.125, -18.75, -26.25, -37.5], 5.0,
-     [0x07, 0x22, 0x44, 0x66, 0x8F, 0xAA, 0xCC, 0xEE], 0x3C),
-    # t = 90.75/6/11 = 1.375 (0x3B), denominator 15.125 = 121/8; the reciprocal
-    # lands 11.34375 etc. just below the ties that round up.
+     [0x07, 0x32, 0x54, 0x76, 0x8F, 0xBA, 0xDC, 0xFE], 0x3C),
+    # t = 90.75/6/11 = 1.375 (0x3B), denominator 15.125 = 121/8; 1/15.125 rounds down
+    # to 0x3D8767AB, so 3.78125 (.25), 11.34375 (.75), 26.46875 (1.75), 52.9375 (3.5)
+    # land just below their ties (-> 0, 0.5, 1.5, 3.0) while 18.90625, 37.8125 and
+    # 75.625 round back to exactly 1.25, 2.5 and 5 (ties down -> 1.0, 2.0, 4.0).
     ("global_scale_11", [90.75, 3.78125, 11.34375, 18.90625, 26.46875, 37.8125, 52.9375, 75.625,
                          -90.75, -3.78125, -11.34375, -18.90625, -26.46875, -37.8125, -52.9375,
                          -75.625], 11.0,
-     [0x07, 0x22, 0x44, 0x66, 0x8F, 0xAA, 0xCC, 0xEE], 0x3B),
+     [0x07, 0x21, 0x43, 0x65, 0x8F, 0xA9, 0xCB, 0xED], 0x3B),
     # global scale 0.25: t = 1.5/6/0.25 = 1 (0x38); every code once, packing order.
     ("packing_gs_quarter", [.125, .25, .375, .5, .75, 1, 1.5, 0,
                             -.125, -.25, -.375, -.5, -.75, -1, -1.5, -0.0], 0.25,
@@ -222,15 +227,55 @@ def _nearest(table, v: float) -> int:
     return i if v < mid or (v == mid and i % 2 == 0) else i + 1
 
 
+THRESHOLDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+
+
+def _code(q) -> int:
+    """E2M1 code of an fp32 value (ties to even, saturating; sign from the IEEE bit)."""
+    return _nearest(list(E2M1), abs(float(q))) | (8 if np.signbit(q) else 0)
+
+
+# (block scale, global scale): amax = 6 * scale * gs makes every step of the scale
+# exact, and 1 / (scale * gs) is inexact, so products near ties round differently
+# from quotients for some values of each case.
+@pytest.mark.parametrize("scale,gs", [(1.5, 5.0), (1.375, 11.0), (1.125, 7.0), (1.875, 0.125),
+                                      (1.75, 7.0), (1.25, 3.0), (1.25, 0.75)])
+def test_values_are_multiplied_by_the_block_reciprocal(scale, gs):
+    """Values within 3 ulps of every E2M1 tie times the denominator: the codes are those of
+    ``x * fp32(1 / denom)`` (an fp32 product), not those of ``x / denom``."""
+    denom = F32(scale) * F32(gs)
+    inv = F32(1) / denom
+    near = []
+    for tau in THRESHOLDS:
+        x = F32(tau * float(denom))
+        for _ in range(3):
+            x = np.nextafter(x, F32(-np.inf))
+        for _ in range(7):
+            near.append(x)
+            x = np.nextafter(x, F32(np.inf))
+    vals = [v if i % 2 else -v for i, v in enumerate(near)]
+    vals += [F32(0)] * (-len(vals) % 15)
+    blocks = [[F32(6) * denom] + vals[i:i + 15] for i in range(0, len(vals), 15)]
+    x = torch.tensor(np.array(blocks, dtype=F32))
+    codes, scales = quantize_nvfp4(x, gs)
+    assert scales.unique().tolist() == [E4M3_POS.index(scale)]
+    flat = x.flatten().numpy()
+    assert unpack_nibbles(codes).flatten().tolist() == [_code(v * inv) for v in flat]
+    assert sum(_code(v * inv) != _code(v / denom) for v in flat) > 0  # the case is telling
+
+
 def _reference_block(block: list[float], gs: float) -> tuple[list[int], int]:
-    """Independent NVFP4 quantizer for one block, FP32 arithmetic like the spec."""
+    """Independent NVFP4 quantizer for one block, FP32 arithmetic like the spec: values
+    times the block's reciprocal ``1 / (scale * gs)``, each step rounded to fp32."""
     amax = max(abs(v) for v in block)
     t = float(F32(F32(amax) / F32(6)) / F32(gs))
     sbyte = _nearest(E4M3_POS, t)
     denom = F32(E4M3_POS[sbyte]) * F32(gs)
+    with np.errstate(over="ignore"):
+        inv = min(F32(1) / denom, np.finfo(F32).max) if denom > 0 else F32(0)
     codes = []
     for v in block:
-        q = float(F32(v) / denom) if denom > 0 else v * 0.0
+        q = float(F32(v) * inv)
         codes.append(_nearest(list(E2M1), abs(q)) | (8 if math.copysign(1, q) < 0 else 0))
     return codes, sbyte
 

@@ -1,4 +1,4 @@
-"""CUDA C++ NVFP4 decode against the fp32 torch reference (GPU), and its input checks (CPU).
+"""CUDA C++ NVFP4 / FP8 decode against the fp32 torch reference (GPU), and its input checks (CPU).
 
 GPU cases need compute capability 9.0 (the extension is built for sm_90a on first
 use, about a minute). Outputs are poisoned with NaN; pools start as random bytes,
@@ -13,15 +13,16 @@ import pytest
 import torch
 
 from nibble.kernels import KernelInputError, PageLayout, decode_attention_ref, store_kv_ref
-from nibble.kernels.cuda import VARIANTS, decode_attention_nvfp4_cuda, is_built
+from nibble.kernels.cuda import (FP8_VARIANTS, VARIANTS, decode_attention_cuda,
+                                 decode_attention_nvfp4_cuda, is_built)
 
 HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 K_SCALE, V_SCALE = 0.37, 2.0
 
 
-def _case(seq_lens, s=16, h=2, group=4, seed=0, q_dtype=torch.bfloat16, layer=1):
+def _case(seq_lens, s=16, h=2, group=4, seed=0, q_dtype=torch.bfloat16, layer=1, fmt="nvfp4"):
     """A 2-layer pool of random bytes with every slot of ``layer`` stored; shuffled tables."""
-    layout = PageLayout("nvfp4", 2, h, 128, s)
+    layout = PageLayout(fmt, 2, h, 128, s)
     gen = torch.Generator().manual_seed(seed)
     width = max(-(-n // s) for n in seq_lens)
     pages = len(seq_lens) * width + 1
@@ -61,11 +62,12 @@ def _err(layout, pool, tables, lens, q, got, layer=1):
     ((250,), 16, 4, 1, None),
     ((4000, 3), 16, 2, 4, 20),   # many splits: some warps and CTAs get no tile
 ])
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("fmt,variant", [("nvfp4", v) for v in VARIANTS] +
+                         [("fp8_e4m3", v) for v in FP8_VARIANTS])
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_SM90, reason="needs an sm_90 GPU")
-def test_decode_matches_reference(seq_lens, s, h, group, splits, variant):
-    layout, pool, tables, lens, q = _case(seq_lens, s, h, group, seed=len(seq_lens) + s)
+def test_decode_matches_reference(seq_lens, s, h, group, splits, fmt, variant):
+    layout, pool, tables, lens, q = _case(seq_lens, s, h, group, seed=len(seq_lens) + s, fmt=fmt)
     got = _run(layout, pool, tables, lens, q, num_splits=splits, variant=variant)
     assert _err(layout, pool, tables, lens, q, got) < 3e-3
 
@@ -82,8 +84,18 @@ def test_decode_dtypes_and_int64_lengths(q_dtype, out_dtype, bound):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_SM90, reason="needs an sm_90 GPU")
-def test_decode_cuda_graph_replay_sees_new_inputs():
-    layout, pool, tables, lens, q = _case((300, 40), 16, 2, 4, seed=11)
+def test_fp8_dtypes_and_default_variant():
+    layout, pool, tables, lens, q = _case((77, 512), 16, 2, 4, seed=8, q_dtype=torch.float32,
+                                          layer=0, fmt="fp8_e4m3")
+    got = _run(layout, pool, tables, lens.long(), q, out_dtype=torch.float16, layer=0)
+    assert _err(layout, pool, tables, lens, q, got, layer=0) < 3e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_SM90, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8_e4m3"])
+def test_decode_cuda_graph_replay_sees_new_inputs(fmt):
+    layout, pool, tables, lens, q = _case((300, 40), 16, 2, 4, seed=11, fmt=fmt)
     dev = torch.device("cuda")
     view = layout.layer_view(pool.to(dev), 1)
     q_d, t_d, l_d = q.to(dev), tables.to(dev), lens.to(dev)
@@ -121,7 +133,8 @@ def _cpu_args(fmt="nvfp4", d=128, s=16, h=2, hq=8, q_dtype=torch.bfloat16):
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    (dict(fmt="fp8_e4m3"), "NVFP4"),
+    (dict(fmt="bf16"), "NVFP4 or FP8 E4M3"),
+    (dict(fmt="fp8k_nvfp4v"), "NVFP4 or FP8 E4M3"),
     (dict(d=64), "head_dim"),
     (dict(s=48), "page_size"),
     (dict(hq=32), "query heads per KV head"),
@@ -149,11 +162,13 @@ def test_import_builds_nothing():
     (dict(out=torch.empty(2, 8, 64)), "out must be"),
     (dict(variant=5), "variant"),
     (dict(num_splits=0), "num_splits"),
+    (dict(fmt="fp8_e4m3", variant=VARIANTS[0]), "variant must be one of"),
+    (dict(variant=FP8_VARIANTS[0]), "variant must be one of"),
 ])
 def test_rejects_bad_options_on_gpu(kwargs, message):
-    layout, view, q, tables, lens = _cpu_args()
+    layout, view, q, tables, lens = _cpu_args(fmt=kwargs.pop("fmt", "nvfp4"))
     pool = layout.allocate(4, "cuda")
     kwargs = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
     with pytest.raises(KernelInputError, match=message):
-        decode_attention_nvfp4_cuda(layout, layout.layer_view(pool, 0), q.cuda(), tables.cuda(),
-                                    lens.cuda(), 0.1, **kwargs)
+        decode_attention_cuda(layout, layout.layer_view(pool, 0), q.cuda(), tables.cuda(),
+                              lens.cuda(), 0.1, **kwargs)

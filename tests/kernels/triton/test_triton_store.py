@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
 from nibble.kernels import KernelInputError, PageLayout, store_kv_ref
+from nibble.kernels.triton import store as store_mod
 from nibble.kernels.triton import store_kv
 
 HAS_CUDA = torch.cuda.is_available()
@@ -105,6 +107,112 @@ def test_store_nvfp4_rounding_sweep(device):
     pool_dev = pool.to(device)
     store_kv(layout, layout.layer_view(pool_dev, 0), x.to(device), x.to(device),
              slots.to(device), 1.0, 1.0)
+    assert torch.equal(pool_dev.cpu(), expect)
+
+
+F32 = np.float32
+# E2M1 decision points and grid values (q = value * fp32 reciprocal of the block denominator).
+Q_POINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def _x_for(q: np.float32, denom: np.float32) -> np.float32 | None:
+    """An fp32 ``x`` with ``fp32(x * fp32(1 / denom)) == q`` (searched near ``q * denom``)."""
+    inv = F32(1) / denom
+    x = F32(float(q) * float(denom))
+    cands = [x]
+    for direction in (F32(-np.inf), F32(np.inf)):
+        y = x
+        for _ in range(4):
+            y = np.nextafter(y, direction)
+            cands.append(y)
+    return next((c for c in cands if F32(c) * inv == q), None)
+
+
+def _edge_blocks(scale: float, gs: float) -> list[list[float]]:
+    """16-value blocks whose amax sets the block scale to ``scale`` (exactly): products with
+    the reciprocal at, one ulp under and one ulp over every E2M1 tie and grid value."""
+    denom = F32(scale) * F32(gs)
+    vals = []
+    for point in Q_POINTS:
+        q = F32(point)
+        for target in (np.nextafter(q, F32(0)), q, np.nextafter(q, F32(np.inf))):
+            x = _x_for(target, denom)
+            if x is not None and x < F32(6) * denom:
+                vals += [float(x), -float(x)]
+    vals += [0.0] * (-len(vals) % 15)
+    return [[float(F32(6) * denom)] + vals[i:i + 15] for i in range(0, len(vals), 15)]
+
+
+def _special_blocks() -> list[list[float]]:
+    """Saturation, huge, tiny, subnormal and signed-zero values."""
+    return [
+        [6.0, 7.0, -7.0, 6.5, -6.0, 5.0, 1e-30, -1e-30, 1e-40, -1e-40, 2.0 ** -149, -0.0,
+         0.0, -2.0 ** -149, 5.5, -6.25],
+        [1e30, 6e29, -1e30, 7e29, 2.6e27, -1e20, 1e-30, -0.0, 1.0, -1.0, 3e38, -3e38,
+         0.0, 1e-45, 2.7e27, 9e27],
+        [7.5 * 2.0 ** -9, -7 * 2.0 ** -9, 2.0 ** -9, 1e-40, -0.0, 3 * 2.0 ** -10]
+        + [0.0] * 10,
+        [-0.0] * 16,
+        [2.0 ** -140, -2.0 ** -140, 1e-44, 0.0] + [-0.0] * 12,
+    ]
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # 1 / tiny, clamped
+@pytest.mark.parametrize("device", [CPU, GPU])
+@pytest.mark.parametrize("gs", [1.0, 5.0, 0.125])
+@pytest.mark.parametrize("config", [None, (4, 1, 2), (16, 4, 1), (2, 2, 3)],
+                         ids=["store_kv", "rows4_tiles2", "rows16_warps4", "rows2_tiles3"])
+def test_store_nvfp4_every_tie_and_edge(config, gs, device):
+    """K: products exactly at, and one fp32 ulp either side of, every E2M1 decision point
+    and grid value, under exact and inexact block reciprocals (normal and subnormal
+    scales), plus saturation (6, 7, 1e30, a 448 scale), tiny and subnormal values and
+    -0.0. V: the same scaled by 2**-125 with global scale 2**-125, where small block
+    scales overflow the reciprocal (clamped). Every pool byte as the reference, for the
+    default launch and for other tile shapes."""
+    scales = [1.0, 1.5, 1.375, 1.125, 1.875, 0.75, 240.0, 3 * 2.0 ** -9, 5 * 2.0 ** -9]
+    blocks = [b for sc in scales for b in _edge_blocks(sc, gs)]
+    k = torch.tensor(blocks + _special_blocks())
+    k = torch.cat([k, torch.zeros(-k.shape[0] % 4, 16)]).view(-1, 1, 64)
+    v = (k * 2.0 ** -125 / gs).flip(0)
+    layout = PageLayout("nvfp4", 1, 1, 64, 16)
+    t = k.shape[0]
+    pool = layout.allocate(-(-t // 16) + 1).fill_(0xC3)
+    expect = pool.clone()
+    slots = torch.randperm(pool.shape[0] * 16, generator=torch.Generator().manual_seed(3))[:t]
+    store_kv_ref(layout, layout.layer_view(expect, 0), k, v, slots, gs, 2.0 ** -125)
+    pool_dev = pool.to(device)
+    args = (layout, layout.layer_view(pool_dev, 0), k.to(device), v.to(device),
+            slots.to(device), gs, 2.0 ** -125)
+    if config is None:
+        store_kv(*args)
+    else:
+        store_mod._launch(*args, *config)
+    mismatch = (pool_dev.cpu() != expect).nonzero()
+    assert mismatch.numel() == 0, (f"{mismatch.shape[0]} bytes differ, first at "
+                                   f"{mismatch[:4].tolist()}")
+
+
+@pytest.mark.parametrize("device", [CPU, GPU])
+def test_store_unaligned_inputs(device):
+    """bf16 that cannot be read as 32-bit pairs (odd element offset), fp16, and fp8 off a
+    16-byte boundary take the unvectorized reads; all must match the reference."""
+    gen = torch.Generator().manual_seed(11)
+    base = _inputs(9, 2, 65, torch.float32, gen)
+    for dtype in (torch.bfloat16, torch.float16, torch.float8_e4m3fn):
+        x = base.to(dtype)[:, :, 1:]
+        _check_store_tensors("nvfp4", x, x.flip(0), device)
+
+
+def _check_store_tensors(fmt: str, k: torch.Tensor, v: torch.Tensor, device: str) -> None:
+    t, h, d = k.shape
+    layout = PageLayout(fmt, 1, h, d, 16)
+    pool = layout.allocate(2).random_(0, 256, generator=torch.Generator().manual_seed(t))
+    expect = pool.clone()
+    slots = torch.arange(t) * 3 % 32
+    store_kv_ref(layout, layout.layer_view(expect, 0), k, v, slots, 0.75, 1.5)
+    pool_dev = pool.to(device)
+    store_kv(layout, layout.layer_view(pool_dev, 0), k.to(device), v.to(device),
+             slots.to(device), 0.75, 1.5)
     assert torch.equal(pool_dev.cpu(), expect)
 
 

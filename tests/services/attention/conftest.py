@@ -6,6 +6,7 @@ conftest; only the backend (and the device) differ here.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from nibble.kernels import PageLayout
@@ -106,3 +107,38 @@ def mixed_arrivals(n_a: int = 21, n_b: int = 40, n_c: int = 21) -> dict[int, lis
     return {0: [greedy("a", prompt(n_a), 6)],
             1: [greedy("b", prompt(n_b, 1), 4)],
             3: [greedy("c", prompt(n_c), 3)]}
+
+
+# ---------------------------------------------------------------- kernel choice (no GPU needed)
+
+def kv_layout(kv="nvfp4", head_dim=128, page_size=16, kv_heads=2):
+    """A two-layer page layout for the kernel-choice tests."""
+    return PageLayout(kv, num_layers=2, num_kv_heads=kv_heads, head_dim=head_dim,
+                      page_size=page_size)
+
+
+@pytest.fixture
+def fake_cap(monkeypatch):
+    """Set the capability every CUDA device reports; the env overrides start unset."""
+    from nibble.services.attention import decode_select as ds
+    monkeypatch.delenv(ds.ENV_VAR, raising=False)
+    monkeypatch.delenv(ds.STORE_ENV_VAR, raising=False)
+
+    def set_cap(cap):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap)
+    set_cap((9, 0))
+    return set_cap
+
+
+@pytest.fixture
+def no_compile(monkeypatch):
+    """Any attempt to build the CUDA extension fails the test."""
+    import torch.utils.cpp_extension as cpp_extension
+
+    from nibble.kernels import cuda as kcuda
+
+    def refuse(*a, **kw):
+        raise AssertionError("the CUDA extension must not be built here")
+    monkeypatch.setattr(cpp_extension, "load_inline", refuse)
+    yield
+    assert not kcuda.is_built()

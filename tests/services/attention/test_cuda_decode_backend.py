@@ -1,9 +1,9 @@
-"""The Triton backend's decode kernel choice: the Hopper CUDA kernel where it applies.
+"""The Triton backend's wiring of the Hopper CUDA decode kernel.
 
-CPU tests check the selection with faked devices and capabilities, and the
-backend's wiring with the CUDA kernel replaced by a spy around the Triton one
-(through Triton's interpreter); nothing is ever compiled. GPU tests (Hopper
-only) run a real EngineCore with ``decode_impl == "cuda-sm90"``.
+CPU tests check the backend's choice and wiring with the CUDA kernel replaced by a
+spy around the Triton one (through Triton's interpreter); nothing is ever compiled.
+GPU tests (Hopper only) run a real EngineCore with ``decode_impl == "cuda-sm90"``.
+The selection rules themselves are in ``test_decode_select.py``.
 """
 
 from __future__ import annotations
@@ -24,84 +24,12 @@ from nibble.services.attention import triton_backend as tb
 from nibble.services.errors import ConfigError
 from nibble.tiering import KVPool
 
-from .conftest import greedy, make_engine_with, prompt, run_scenario, tiny_arch, tiny_model
+from .conftest import greedy, kv_layout as layout, make_engine_with, prompt, run_scenario
+from .conftest import tiny_arch, tiny_model
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")   # no CUDA needed to name a device
 IS_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 hopper_only = pytest.mark.skipif(not IS_HOPPER, reason="needs an sm_90 GPU")
-
-
-def layout(kv="nvfp4", head_dim=128, page_size=16, kv_heads=2):
-    return PageLayout(kv, num_layers=2, num_kv_heads=kv_heads, head_dim=head_dim,
-                      page_size=page_size)
-
-
-@pytest.fixture
-def fake_cap(monkeypatch):
-    """Set the capability every CUDA device reports; the env override starts unset."""
-    monkeypatch.delenv(ds.ENV_VAR, raising=False)
-
-    def set_cap(cap):
-        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap)
-    set_cap((9, 0))
-    return set_cap
-
-
-@pytest.fixture
-def no_compile(monkeypatch):
-    """Any attempt to build the CUDA extension fails the test."""
-    import torch.utils.cpp_extension as cpp_extension
-
-    def refuse(*a, **kw):
-        raise AssertionError("the CUDA extension must not be built here")
-    monkeypatch.setattr(cpp_extension, "load_inline", refuse)
-    yield
-    assert not kcuda.is_built()
-
-
-# ---------------------------------------------------------------- selection (CPU)
-
-@pytest.mark.parametrize("lay,cap,device,q_heads,want", [
-    (layout(), (9, 0), CUDA, None, "cuda-sm90"),
-    (layout(page_size=32), (9, 0), CUDA, 16, "cuda-sm90"),        # group 8: the limit
-    (layout(page_size=64, kv_heads=1), (9, 0), CUDA, 4, "cuda-sm90"),
-    (layout(page_size=48), (9, 0), CUDA, None, "triton"),          # 16 * 3
-    (layout(head_dim=64), (9, 0), CUDA, None, "triton"),
-    (layout(head_dim=256), (9, 0), CUDA, None, "triton"),
-    (layout("fp8_e4m3"), (9, 0), CUDA, None, "triton"),
-    (layout("bf16"), (9, 0), CUDA, None, "triton"),
-    (layout(), (9, 0), CUDA, 32, "triton"),                        # group 16
-    (layout(), (8, 0), CUDA, None, "triton"),
-    (layout(), (10, 0), CUDA, None, "triton"),
-    (layout(), (9, 0), CPU, None, "triton"),
-])
-def test_selection(fake_cap, no_compile, lay, cap, device, q_heads, want):
-    fake_cap(cap)
-    choice = ds.select_decode_impl(lay, device, q_heads)
-    assert choice.impl == want and not choice.forced
-    assert (choice.why == "NVFP4 KV, head_dim 128, Hopper") == (want == "cuda-sm90"), choice.why
-
-
-def test_reasons_name_the_mismatch(fake_cap, no_compile):
-    def why(lay, q_heads=None, device=CUDA):
-        return ds.select_decode_impl(lay, device, q_heads).why
-    assert "page_size" in why(layout(page_size=48))
-    assert "head_dim 128" in why(layout(head_dim=64))
-    assert "NVFP4" in why(layout("fp8_e4m3"))
-    assert "32 query and 2 KV heads" in why(layout(), 32)
-    assert "CUDA device" in why(layout(), device=CPU)
-    fake_cap((8, 9))
-    assert "8.9" in why(layout())
-
-
-def test_capability_not_asked_for_cpu_or_unfit_layouts(monkeypatch, no_compile):
-    monkeypatch.delenv(ds.ENV_VAR, raising=False)
-
-    def boom(device=None):
-        raise AssertionError("capability asked")
-    monkeypatch.setattr(torch.cuda, "get_device_capability", boom)
-    assert ds.select_decode_impl(layout(), CPU).impl == "triton"
-    assert ds.select_decode_impl(layout("fp8_e4m3"), CUDA).impl == "triton"
 
 
 def fake_backend(lay, **kw):
@@ -116,7 +44,9 @@ def test_constructor_decides_once_and_logs(fake_cap, no_compile, monkeypatch, ca
     with caplog.at_level(logging.INFO, logger=tb.__name__):
         backend = fake_backend(layout())
     assert backend.decode_impl == "cuda-sm90" and len(asked) == 1
-    assert backend._decode_fn is tb.decode_attention_nvfp4_cuda
+    assert backend.store_impl == "triton"           # the CUDA store is opt-in
+    assert backend._decode_fn.func is tb.decode_attention_nvfp4_cuda
+    assert backend._decode_fn.keywords == {"variant": kcuda.DEFAULT_VARIANT}
     assert "decode kernel: cuda-sm90" in caplog.text
     fake_cap((8, 0))
     caplog.clear()
@@ -221,11 +151,11 @@ def spy_cuda(monkeypatch, no_compile):
     calls = {"decode": [], "splits": []}
     real = tb.decode_attention
 
-    def decode(*args, **kw):
-        calls["decode"].append(kw)
+    def decode(*args, variant, **kw):
+        calls["decode"].append(dict(kw, variant=variant))
         return real(*args, **kw)
 
-    def splits(*args):
+    def splits(*args, **kw):
         calls["splits"].append(args)
         return 3
     monkeypatch.setattr(tb, "decode_attention_nvfp4_cuda", decode)
@@ -249,6 +179,7 @@ def test_cuda_impl_is_launched_with_plan_splits(monkeypatch, spy_cuda, prefill):
     check_step(ref_pool, pool, meta, backend, 4, 2e-5, 1e-4)
     assert spy_cuda["splits"] == [(3, 2, 34, CPU)]                # batch, H, max len, device
     assert [kw["num_splits"] for kw in spy_cuda["decode"]] == [3, 3]
+    assert {kw["variant"] for kw in spy_cuda["decode"]} == {kcuda.DEFAULT_VARIANT}
     assert all((kw.get("out") is not None) == (prefill == 0) for kw in spy_cuda["decode"])
 
 
@@ -333,19 +264,19 @@ def test_gpu_one_step_matches_torch(monkeypatch, prefill, page_size):
 
 @pytest.mark.gpu
 @hopper_only
-def test_gpu_engine_logits_match_torch(gqa8_model, monkeypatch):
+@pytest.mark.parametrize("kv", ["nvfp4", "fp8_e4m3"])
+def test_gpu_engine_logits_match_torch(gqa8_model, monkeypatch, kv):
     counts = count_launches(monkeypatch)
     monkeypatch.delenv(ds.ENV_VAR, raising=False)
-    eng = make_engine_with(gqa8_model, "triton", kv="nvfp4", device="cuda",
-                           chunked_prefill_size=64)
+    eng = make_engine_with(gqa8_model, "triton", kv=kv, device="cuda", chunked_prefill_size=64)
     assert eng.runner.backend.decode_impl == "cuda-sm90"     # chosen without the override
     got, _, paths = run_scenario(eng, arrivals())
     assert paths == {"prefill", "extend", "decode", "mixed"}
     assert counts["cuda"] > 0 and counts["triton"] == 0
-    ref, _, _ = run_scenario(make_engine_with(gqa8_model, "torch", kv="nvfp4", device="cuda",
+    ref, _, _ = run_scenario(make_engine_with(gqa8_model, "torch", kv=kv, device="cuda",
                                               chunked_prefill_size=64), arrivals())
     assert len(got) == len(ref)
-    assert within_tolerance(got, ref, "cuda-sm90 vs torch") >= 3
+    assert within_tolerance(got, ref, f"cuda-sm90 vs torch, {kv}") >= 3
 
 
 def first_flip(got, ref) -> str:

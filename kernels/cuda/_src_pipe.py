@@ -1,0 +1,238 @@
+"""Device code, part 2: ``cp.async`` rings, the softmax step shared by all formats, the
+NVFP4 format policy and the tile loops, generic over a format policy.
+
+A *format policy* ``F`` (``Nvfp4Fmt<DQ>`` here, ``Fp8Fmt`` in :mod:`._src_fp8`) gives:
+``kStage`` (ring bytes per 16-token tile), ``LaneT`` and ``lane_of`` (per-lane byte
+offsets, global and in a stage), ``issue`` (the ``cp.async`` copies of one tile into a
+ring stage) and ``one<MASK>`` / ``pair<MASK>`` (one or two tiles of math from ring stages).
+
+Concatenated after :mod:`._src_tile`; see :mod:`._sources` for the design.
+"""
+
+PIPE_SRC = r"""
+// ---- cp.async helpers
+__device__ __forceinline__ void cp16(uint32_t dst, const uint8_t* src) {
+  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" :: "r"(dst), "l"(src));
+}
+__device__ __forceinline__ void cp8(uint32_t dst, const uint8_t* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" :: "r"(dst), "l"(src));
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N> __device__ __forceinline__ void cp_wait() {
+  asm volatile("cp.async.wait_group %0;" :: "n"(N));
+}
+
+// Softmax step for two 16-token tiles: x[j] = raw scores of tile j (S^T fragment: x[j][0..1]
+// token g, heads 2t, 2t+1; x[j][2..3] token 8+g). Scales, masks past `rem` tokens, updates
+// the running max (lazily) and sums, rescales the accumulators when the max moved, and
+// returns P^T B fragments pb[j] and per-token V masks vm[j] (fp16x2 lanes of tokens 2t,
+// 2t+1 / 8+2t, 9+2t; all ones without MASK).
+template <bool MASK>
+__device__ __forceinline__ void softmax_pair(float (&x)[2][4], float qk, int rem, int lane,
+                                             State& st, uint32_t (&pb)[2][2],
+                                             uint32_t (&vm)[2][2]) {
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) x[j][i] *= qk;
+    vm[j][0] = vm[j][1] = 0xffffffffu;
+    if (MASK) {
+      const int r = rem - 16 * j;
+      x[j][0] = g < r ? x[j][0] : -INFINITY;
+      x[j][1] = g < r ? x[j][1] : -INFINITY;
+      x[j][2] = 8 + g < r ? x[j][2] : -INFINITY;
+      x[j][3] = 8 + g < r ? x[j][3] : -INFINITY;
+      vm[j][0] = (2 * t < r ? 0x0000ffffu : 0u) | (2 * t + 1 < r ? 0xffff0000u : 0u);
+      vm[j][1] = (8 + 2 * t < r ? 0x0000ffffu : 0u) | (9 + 2 * t < r ? 0xffff0000u : 0u);
+    }
+  }
+  float mx0 = fmaxf(fmaxf(x[0][0], x[0][2]), fmaxf(x[1][0], x[1][2]));
+  float mx1 = fmaxf(fmaxf(x[0][1], x[0][3]), fmaxf(x[1][1], x[1][3]));
+  const bool upd = mx0 > st.m0 + kLazy || mx1 > st.m1 + kLazy;
+  if (__any_sync(kFull, upd)) {
+#pragma unroll
+    for (int sh = 4; sh < 32; sh <<= 1) {
+      mx0 = fmaxf(mx0, __shfl_xor_sync(kFull, mx0, sh));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(kFull, mx1, sh));
+    }
+    mx0 = fmaxf(mx0, st.m0);
+    mx1 = fmaxf(mx1, st.m1);
+    const float a0 = ex2(st.m0 - mx0), a1 = ex2(st.m1 - mx1);
+    st.m0 = mx0; st.m1 = mx1; st.l0 *= a0; st.l1 *= a1;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      st.acc[i][0] *= a0; st.acc[i][1] *= a1; st.acc[i][2] *= a0; st.acc[i][3] *= a1;
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const float p0 = ex2(x[j][0] - st.m0), p1 = ex2(x[j][1] - st.m1);
+    const float p2 = ex2(x[j][2] - st.m0), p3 = ex2(x[j][3] - st.m1);
+    st.l0 += p0 + p2;
+    st.l1 += p1 + p3;
+    pb[j][0] = movm_trans(pack_h2(p0, p1));
+    pb[j][1] = movm_trans(pack_h2(p2, p3));
+  }
+}
+
+// ---- NVFP4 ring stage: lane-private code chunks [chunk][lane] (conflict-free 16/8-byte
+// accesses) and the tile's two 128-byte scale blocks copied by lanes 0-15.
+constexpr int kStageBytes = 2304, kKOff = 0, kVOff = 1024, kKsOff = 2048, kVsOff = 2176;
+
+struct LaneCp {         // per-lane byte offsets from the K code section of page 0, tile 0
+  uint32_t k, v, sc;    // sc: this lane's 16-byte piece of a scale block (lanes 0-15)
+};
+
+__device__ __forceinline__ void issue_tile(uint32_t stage, const Params& p, PageCursor& pc,
+                                           const LaneCp& ln, int tile, int lane) {
+  const int page = pc.page(tile >> p.tpp_log2, lane);
+  const int off = tile & ((1 << p.tpp_log2) - 1);
+  const uint8_t* pg = p.kd + (long long)page * p.page_stride;
+  const uint8_t* kp = pg + off * (16 * 64) + ln.k;
+  const uint8_t* vp = pg + off * (16 * 64) + ln.v;
+  cp16(stage + kKOff + lane * 16, kp);
+  cp16(stage + kKOff + 512 + lane * 16, kp + 8 * 64);
+  cp8(stage + kVOff + lane * 8, vp);
+  cp8(stage + kVOff + 256 + lane * 8, vp + 64);
+  cp8(stage + kVOff + 512 + lane * 8, vp + 8 * 64);
+  cp8(stage + kVOff + 768 + lane * 8, vp + 9 * 64);
+  if (lane < 16) cp16(stage + kKsOff + lane * 16, pg + off * (16 * 8) + ln.sc);
+}
+
+__device__ __forceinline__ void read_k(Tile& x, const uint8_t* st, int lane) {
+  const int g = lane >> 2, t = lane & 3;
+  x.k[0] = *reinterpret_cast<const uint4*>(st + kKOff + lane * 16);
+  x.k[1] = *reinterpret_cast<const uint4*>(st + kKOff + 512 + lane * 16);
+  x.ks[0] = *reinterpret_cast<const unsigned short*>(st + kKsOff + g * 8 + 2 * t);
+  x.ks[1] = *reinterpret_cast<const unsigned short*>(st + kKsOff + (8 + g) * 8 + 2 * t);
+}
+__device__ __forceinline__ void read_v(Tile& x, const uint8_t* st, int lane) {
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+    x.v[j] = *reinterpret_cast<const uint2*>(st + kVOff + j * 256 + lane * 8);
+  x.vs[0] = st[kVsOff + (2 * t) * 8 + g];
+  x.vs[1] = st[kVsOff + (2 * t + 1) * 8 + g];
+  x.vs[2] = st[kVsOff + (8 + 2 * t) * 8 + g];
+  x.vs[3] = st[kVsOff + (9 + 2 * t) * 8 + g];
+}
+
+template <int DQ> struct Nvfp4Fmt {
+  static constexpr int kStage = kStageBytes;
+  typedef LaneCp LaneT;
+  __device__ static __forceinline__ LaneT lane_of(const Params& p, int h, int lane) {
+    const int g = lane >> 2, t = lane & 3;
+    const uint32_t row0 = (uint32_t)(h * p.page_size);
+    const uint32_t ks0 = (uint32_t)(p.ks - p.kd), vd0 = (uint32_t)(p.vd - p.kd);
+    const uint32_t vs0 = (uint32_t)(p.vs - p.kd);
+    return {(row0 + g) * 64 + 16 * t, vd0 + (row0 + 2 * t) * 64 + 8 * g,
+            (lane < 8 ? ks0 : vs0) + row0 * 8 + (lane & 7) * 16};
+  }
+  __device__ static __forceinline__ void issue(uint32_t stage, const Params& p, PageCursor& pc,
+                                               const LaneT& ln, int tile, int lane) {
+    issue_tile(stage, p, pc, ln, tile, lane);
+  }
+  template <bool MASK>
+  __device__ static __forceinline__ void one(const uint8_t* s, const LaneT&,
+                                             const uint32_t (&qf)[8][2], float qk, int rem,
+                                             int lane, State& st) {
+    Tile x;
+    read_k(x, s, lane);
+    read_v(x, s, lane);
+    compute_tile<DQ, MASK>(x, qf, qk, rem, lane, st);
+  }
+  // Two tiles (tokens 0-15 at sa, 16-31 at sb of `rem`), one softmax step: two independent
+  // score chains, half the softmax and vote work per token.
+  template <bool MASK>
+  __device__ static __forceinline__ void pair(const uint8_t* sa, const uint8_t* sb, const LaneT&,
+                                              const uint32_t (&qf)[8][2], float qk, int rem,
+                                              int lane, State& st) {
+    Tile a, b;
+    read_k(a, sa, lane);
+    read_k(b, sb, lane);
+    float x[2][4];
+    tile_scores<DQ>(a, qf, x[0]);
+    tile_scores<DQ>(b, qf, x[1]);
+    read_v(a, sa, lane);
+    read_v(b, sb, lane);
+    uint32_t pb[2][2], vm[2][2];
+    softmax_pair<MASK>(x, qk, rem, lane, st, pb, vm);
+    tile_pv<DQ>(a, pb[0][0], pb[0][1], vm[0][0], vm[0][1], st);
+    tile_pv<DQ>(b, pb[1][0], pb[1][1], vm[1][0], vm[1][1], st);
+  }
+};
+
+__device__ __forceinline__ void cursor_init(PageCursor& pc, const Params& p, int b, int seq_len,
+                                            int t_lo, int lane) {
+  pc.row = p.bt + (long long)b * p.bt_b;
+  pc.n_pages = (seq_len + p.page_size - 1) / p.page_size;
+  pc.init(t_lo >> p.tpp_log2, lane);
+}
+
+// Runs one warp over tiles [t_lo, t_hi), one tile per step, PIPE-stage ring in `ring`.
+template <class F, int PIPE>
+__device__ __forceinline__ void warp_tiles_pipe(const Params& p, int b, int h, int seq_len,
+                                                int t_lo, int t_hi, int lane, uint8_t* ring,
+                                                const uint32_t (&qf)[8][2], float qk, State& st) {
+  const typename F::LaneT ln = F::lane_of(p, h, lane);
+  PageCursor pc;
+  cursor_init(pc, p, b, seq_len, t_lo, lane);
+  const uint32_t ring_s = static_cast<uint32_t>(__cvta_generic_to_shared(ring));
+#pragma unroll
+  for (int i = 0; i < PIPE - 1; ++i) {
+    if (t_lo + i < t_hi) F::issue(ring_s + i * F::kStage, p, pc, ln, t_lo + i, lane);
+    cp_commit();
+  }
+  int slot = 0;
+  for (int tt = t_lo; tt < t_hi; ++tt) {
+    cp_wait<PIPE - 2>();
+    __syncwarp();
+    const uint8_t* cur = ring + slot * F::kStage;
+    const int nslot = slot == 0 ? PIPE - 1 : slot - 1;       // the stage read last iteration
+    if (tt + PIPE - 1 < t_hi)
+      F::issue(ring_s + nslot * F::kStage, p, pc, ln, tt + PIPE - 1, lane);
+    cp_commit();
+    slot = slot == PIPE - 1 ? 0 : slot + 1;
+    const int rem = seq_len - tt * 16;
+    if (rem >= 16) F::template one<false>(cur, ln, qf, qk, 16, lane, st);
+    else F::template one<true>(cur, ln, qf, qk, rem, lane, st);
+  }
+  cp_wait<0>();
+}
+
+// Two tiles per iteration over a PIPE-stage ring (PIPE even): pairs ahead in flight.
+template <class F, int PIPE>
+__device__ __forceinline__ void warp_pairs_pipe(const Params& p, int b, int h, int seq_len,
+                                                int t_lo, int t_hi, int lane, uint8_t* ring,
+                                                const uint32_t (&qf)[8][2], float qk, State& st) {
+  const typename F::LaneT ln = F::lane_of(p, h, lane);
+  PageCursor pc;
+  cursor_init(pc, p, b, seq_len, t_lo, lane);
+  const uint32_t ring_s = static_cast<uint32_t>(__cvta_generic_to_shared(ring));
+#pragma unroll
+  for (int i = 0; i < PIPE - 2; ++i) {
+    if (t_lo + i < t_hi) F::issue(ring_s + i * F::kStage, p, pc, ln, t_lo + i, lane);
+    cp_commit();
+  }
+  const int end = min(seq_len, t_hi * 16);    // tokens past this belong to no tile of ours
+  int slot = 0;                               // ring slot of tile tt (even)
+  for (int tt = t_lo; tt < t_hi; tt += 2) {
+    cp_wait<PIPE - 4>();
+    __syncwarp();
+    const int ns = slot == 0 ? PIPE - 2 : slot - 2;          // slots read last iteration
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      if (tt + PIPE - 2 + i < t_hi)
+        F::issue(ring_s + (ns + i) * F::kStage, p, pc, ln, tt + PIPE - 2 + i, lane);
+      cp_commit();
+    }
+    const uint8_t* sa = ring + slot * F::kStage;
+    const int rem = end - tt * 16;
+    if (rem >= 32) F::template pair<false>(sa, sa + F::kStage, ln, qf, qk, 32, lane, st);
+    else F::template pair<true>(sa, sa + F::kStage, ln, qf, qk, rem, lane, st);
+    slot = slot == PIPE - 2 ? 0 : slot + 2;
+  }
+  cp_wait<0>();
+}
+"""
