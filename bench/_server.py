@@ -9,6 +9,7 @@ PID this module started, never by name.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import pathlib
@@ -156,6 +157,18 @@ def server_configs(base_url: str | None, server_args: Sequence[str] | None,
     if len(set(names)) != len(names):
         names = [f"{n} #{i}" for i, n in enumerate(names)]
     return list(zip(names, argvs))
+
+
+def add_server_options(parser: argparse.ArgumentParser) -> None:
+    """The "server" option group every HTTP benchmark shares (consumed by :func:`for_each_server`)."""
+    g = parser.add_argument_group("server")
+    g.add_argument("--base-url", default=None,
+                   help="a running server (else one is started per config)")
+    g.add_argument("--server-args", action="append", default=None,
+                   help='flags for one `nibble serve` config (KV format, tiers, pool), e.g. '
+                        '"--kv-cache-dtype fp8_e4m3 --max-total-tokens 4096" (a single flag: '
+                        '--server-args=--flag=value); repeatable: one run per config')
+    g.add_argument("--labels", nargs="+", default=None, help="one name per config")
 
 
 SweepFn = Callable[[str, str, "str | None", int], list[dict[str, Any]]]

@@ -42,7 +42,7 @@ from . import _plots
 from ._http import (RequestResult, StatsSampler, completion_body, context_length,
                     counter_deltas, flush_cache, probe_vocab_size, scrape_counters, server_info,
                     stream_completion)
-from ._server import for_each_server
+from ._server import add_server_options, for_each_server
 from ._stats import append_jsonl, summarize
 from .serving import capacity_from_info, token_range
 
@@ -266,12 +266,7 @@ def report(records: list[dict[str, Any]], w: AgentWorkload, out: pathlib.Path) -
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="nibble bench agentic", description=__doc__.splitlines()[0])
-    g = p.add_argument_group("server")
-    g.add_argument("--base-url", default=None, help="a running server (else one is started per config)")
-    g.add_argument("--server-args", action="append", default=None,
-                   help='flags for one `nibble serve` config (KV format, tiers, pool), e.g. '
-                        '"--kv-cache-dtype nvfp4 --max-total-tokens 7280"; repeatable')
-    g.add_argument("--labels", nargs="+", default=None)
+    add_server_options(p)
     d = AgentWorkload()
     g = p.add_argument_group("sessions")
     g.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16])

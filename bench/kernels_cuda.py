@@ -149,7 +149,7 @@ def diag(read_bw: float) -> list[dict]:
             pct = 100 * nbytes / sec / read_bw
             print(f"diag {b} x {ctx} v{var}: {sec * 1e6:.1f} us ({pct:.0f}% of read BW)",
                   flush=True)
-        pool = view = None  # free the pool before the next case
+        del pool, view
     return rows
 
 

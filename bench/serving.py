@@ -42,7 +42,7 @@ from nibble.services.errors import ConfigError
 from . import _plots
 from ._http import StatsSample, StatsSampler, completion_body, server_info, stream_completion
 from ._http import flush_cache, probe_vocab_size
-from ._server import BenchServerError, for_each_server
+from ._server import BenchServerError, add_server_options, for_each_server
 from ._stats import append_jsonl, summarize
 
 ISO_CAPACITY_LEVELS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -308,13 +308,7 @@ def report(records: list[dict[str, Any]], args, out: pathlib.Path) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="nibble bench serving", description=__doc__.splitlines()[0])
-    g = p.add_argument_group("server")
-    g.add_argument("--base-url", default=None, help="a running server (else one is started per config)")
-    g.add_argument("--server-args", action="append", default=None,
-                   help='flags for one `nibble serve` config, e.g. "--kv-cache-dtype fp8_e4m3 '
-                        '--max-total-tokens 4096" (a single flag: --server-args=--flag=value); '
-                        'repeatable: one run per config')
-    g.add_argument("--labels", nargs="+", default=None, help="one name per config")
+    add_server_options(p)
     g = p.add_argument_group("workload")
     g.add_argument("--input-len", type=int, default=1024)
     g.add_argument("--output-len", type=int, default=128)

@@ -28,6 +28,7 @@ except ImportError:  # not installed: map nibble.* onto the repository's folders
     _pkg.__path__ = [str(Path(__file__).resolve().parents[1])]
     sys.modules["nibble"] = _pkg
 
+from nibble.bench.kernels import graph_time  # noqa: E402
 from nibble.kernels import PageLayout, store_kv_ref  # noqa: E402
 from nibble.kernels.cuda import store_kv_nvfp4_cuda  # noqa: E402
 from nibble.kernels.triton import store as S  # noqa: E402
@@ -38,22 +39,6 @@ IN_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
 # (rows per tile, num_warps, tiles per program)
 CONFIGS = [(8, 2, 1), (8, 1, 1), (16, 2, 1), (16, 4, 1), (32, 8, 1), (8, 2, 2), (8, 2, 4),
            (16, 4, 2), (8, 1, 2), (4, 1, 1)]
-
-
-def graph_time(fn, reps: int = 10) -> float:
-    """Seconds per call: ``reps`` calls captured in one CUDA graph, do_bench median of replays."""
-    fn()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    ms = triton.testing.do_bench(graph.replay, warmup=25, rep=150, return_mode="median")
-    return ms * 1e-3 / reps
 
 
 def inputs(t: int, h: int, d: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:

@@ -47,24 +47,8 @@ __device__ __forceinline__ void softmax_pair(float (&x)[2][4], float qk, int rem
       vm[j][1] = (8 + 2 * t < r ? 0x0000ffffu : 0u) | (9 + 2 * t < r ? 0xffff0000u : 0u);
     }
   }
-  float mx0 = fmaxf(fmaxf(x[0][0], x[0][2]), fmaxf(x[1][0], x[1][2]));
-  float mx1 = fmaxf(fmaxf(x[0][1], x[0][3]), fmaxf(x[1][1], x[1][3]));
-  const bool upd = mx0 > st.m0 + kLazy || mx1 > st.m1 + kLazy;
-  if (__any_sync(kFull, upd)) {
-#pragma unroll
-    for (int sh = 4; sh < 32; sh <<= 1) {
-      mx0 = fmaxf(mx0, __shfl_xor_sync(kFull, mx0, sh));
-      mx1 = fmaxf(mx1, __shfl_xor_sync(kFull, mx1, sh));
-    }
-    mx0 = fmaxf(mx0, st.m0);
-    mx1 = fmaxf(mx1, st.m1);
-    const float a0 = ex2(st.m0 - mx0), a1 = ex2(st.m1 - mx1);
-    st.m0 = mx0; st.m1 = mx1; st.l0 *= a0; st.l1 *= a1;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      st.acc[i][0] *= a0; st.acc[i][1] *= a1; st.acc[i][2] *= a0; st.acc[i][3] *= a1;
-    }
-  }
+  lazy_rescale(fmaxf(fmaxf(x[0][0], x[0][2]), fmaxf(x[1][0], x[1][2])),
+               fmaxf(fmaxf(x[0][1], x[0][3]), fmaxf(x[1][1], x[1][3])), st);
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
     const float p0 = ex2(x[j][0] - st.m0), p1 = ex2(x[j][1] - st.m1);

@@ -218,6 +218,27 @@ __device__ __forceinline__ void tile_pv(const Tile& x, uint32_t pb0, uint32_t pb
   }
 }
 
+// Lazy max: only when some score of this lane (maxima mx0, mx1 for heads 2t, 2t+1) exceeds
+// its head's running max by > kLazy (rare after the first tiles) does the warp reduce the
+// maxima, move the running max and rescale the sums and accumulators.
+__device__ __forceinline__ void lazy_rescale(float mx0, float mx1, State& st) {
+  const bool upd = mx0 > st.m0 + kLazy || mx1 > st.m1 + kLazy;
+  if (!__any_sync(kFull, upd)) return;
+#pragma unroll
+  for (int sh = 4; sh < 32; sh <<= 1) {
+    mx0 = fmaxf(mx0, __shfl_xor_sync(kFull, mx0, sh));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(kFull, mx1, sh));
+  }
+  mx0 = fmaxf(mx0, st.m0);
+  mx1 = fmaxf(mx1, st.m1);
+  const float a0 = ex2(st.m0 - mx0), a1 = ex2(st.m1 - mx1);
+  st.m0 = mx0; st.m1 = mx1; st.l0 *= a0; st.l1 *= a1;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    st.acc[i][0] *= a0; st.acc[i][1] *= a1; st.acc[i][2] *= a0; st.acc[i][3] *= a1;
+  }
+}
+
 template <int DQ, bool MASK>
 __device__ __forceinline__ void compute_tile(const Tile& x, const uint32_t (&qf)[8][2],
                                              float qk, int rem, int lane, State& st) {
@@ -234,25 +255,7 @@ __device__ __forceinline__ void compute_tile(const Tile& x, const uint32_t (&qf)
     vm0 = (2 * t < rem ? 0x0000ffffu : 0u) | (2 * t + 1 < rem ? 0xffff0000u : 0u);
     vm1 = (8 + 2 * t < rem ? 0x0000ffffu : 0u) | (9 + 2 * t < rem ? 0xffff0000u : 0u);
   }
-  // Lazy max: only when some score exceeds its head's max by > kLazy (rare after the
-  // first tiles) does the warp reduce the tile max and rescale.
-  const bool upd = fmaxf(x0, x2) > st.m0 + kLazy || fmaxf(x1, x3) > st.m1 + kLazy;
-  if (__any_sync(kFull, upd)) {
-    float mx0 = fmaxf(x0, x2), mx1 = fmaxf(x1, x3);
-#pragma unroll
-    for (int sh = 4; sh < 32; sh <<= 1) {
-      mx0 = fmaxf(mx0, __shfl_xor_sync(kFull, mx0, sh));
-      mx1 = fmaxf(mx1, __shfl_xor_sync(kFull, mx1, sh));
-    }
-    mx0 = fmaxf(mx0, st.m0);
-    mx1 = fmaxf(mx1, st.m1);
-    const float a0 = ex2(st.m0 - mx0), a1 = ex2(st.m1 - mx1);
-    st.m0 = mx0; st.m1 = mx1; st.l0 *= a0; st.l1 *= a1;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      st.acc[i][0] *= a0; st.acc[i][1] *= a1; st.acc[i][2] *= a0; st.acc[i][3] *= a1;
-    }
-  }
+  lazy_rescale(fmaxf(x0, x2), fmaxf(x1, x3), st);
   const float p0 = ex2(x0 - st.m0), p1 = ex2(x1 - st.m1);
   const float p2 = ex2(x2 - st.m0), p3 = ex2(x3 - st.m1);
   st.l0 += p0 + p2;

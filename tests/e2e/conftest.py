@@ -3,11 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Iterator
@@ -15,51 +10,38 @@ from typing import Iterator
 import httpx
 import pytest
 
+from nibble.bench._server import BenchServerError, ServerProcess
+
 STARTUP_TIMEOUT_S = 120
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class Server(ServerProcess):
+    """``nibble serve`` on a free loopback port with its log in ``tmp`` (stopped by PID)."""
 
-
-class Server:
     def __init__(self, tmp: Path, args: list[str]):
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = tmp / "nibble-serve.log"
-        self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "nibble.services.cli", "serve", "--port", str(self.port), *args],
-            stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        super().__init__(args, tmp / "nibble-serve.log")
 
-    def log_tail(self, n: int = 4000) -> str:
-        return self.log_path.read_text()[-n:]
+    def wait_healthy(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+        try:
+            super().wait_healthy(timeout_s)
+        except BenchServerError as exc:
+            pytest.fail(f"{exc}\n{self.log_tail(4000)}")
 
-    def wait_healthy(self) -> None:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    def info(self) -> dict:
+        """``/get_server_info`` as JSON."""
+        return httpx.get(f"{self.url}/get_server_info", timeout=10).json()
+
+    def wait_workers_idle(self, timeout: float, poll: float) -> dict:
+        """The two disaggregated workers once every page is free and nothing is reserved or held."""
+        deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"nibble serve exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.25)
-        pytest.fail(f"nibble serve not healthy after {STARTUP_TIMEOUT_S}s:\n{self.log_tail()}")
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-        return self.proc.returncode
+            workers = self.info()["workers"]
+            if len(workers) == 2 and all(
+                    w["free_pages"] == w["total_pages"] and w["reservations"] == 0
+                    and w["held"] == 0 for w in workers.values()):
+                return workers
+            time.sleep(poll)
+        pytest.fail(f"pages still held: {self.info()['workers']}")
 
 
 @contextlib.contextmanager

@@ -53,29 +53,14 @@ def server(tmp_path_factory):
         srv.stop()
 
 
-def info(server):
-    return httpx.get(f"{server.url}/get_server_info", timeout=10).json()
-
-
-def wait_idle(server, timeout=20):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        workers = info(server)["workers"]
-        if len(workers) == 2 and all(w["free_pages"] == w["total_pages"] and w["reservations"] == 0
-                                     and w["held"] == 0 for w in workers.values()):
-            return workers
-        time.sleep(0.25)
-    pytest.fail(f"pages still held: {info(server)['workers']}")
-
-
 def test_greedy_bf16_equals_colocated(server, colocated_answer):
     r = chat(server.url)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["content"] == colocated_answer
-    t = info(server)["transfers"]
+    t = server.info()["transfers"]
     assert t.get("transfer_success", 0) >= 1 and t.get("transfer_failed", 0) == 0
     assert t.get("transfer_bytes", 0) > 0
-    wait_idle(server)
+    server.wait_workers_idle(20, 0.25)
 
 
 def test_streaming_through_the_router(server, colocated_answer):
@@ -103,7 +88,7 @@ def test_nvfp4_pages_cross_verified_at_0_5625_of_fp8(tmp_path_factory):
     try:
         srv.wait_healthy()
         assert chat(srv.url).status_code == 200
-        t = info(srv)["transfers"]
+        t = srv.info()["transfers"]
     finally:
         srv.stop()
     geom = dict(num_layers=30, num_kv_heads=3, head_dim=64, page_size=16)   # SmolLM2-135M
@@ -138,10 +123,10 @@ def test_prefill_actor_killed_mid_transfer(server):
         assert time.monotonic() - killed < 5 and "error" in r.json()
     assert chat(server.url).status_code == 200            # the server is still up
     deadline = time.monotonic() + 120
-    while "nibble-prefill-0" not in info(server)["transfers"]["alive_workers"]:
+    while "nibble-prefill-0" not in server.info()["transfers"]["alive_workers"]:
         assert time.monotonic() < deadline, "Ray did not restart the prefill actor"
         time.sleep(1)
-    wait_idle(server)
+    server.wait_workers_idle(20, 0.25)
 
 
 def test_decode_actor_killed_mid_stream(server):
@@ -160,11 +145,11 @@ def test_decode_actor_killed_mid_stream(server):
                 ended = time.monotonic()
     assert killed is not None and ended is not None and ended - killed < 5 + 60
     deadline = time.monotonic() + 120
-    while "nibble-decode-0" not in info(server)["transfers"]["alive_workers"]:
+    while "nibble-decode-0" not in server.info()["transfers"]["alive_workers"]:
         assert time.monotonic() < deadline, "Ray did not restart the decode actor"
         time.sleep(1)
     assert chat(server.url).status_code == 200
-    wait_idle(server)
+    server.wait_workers_idle(20, 0.25)
 
 
 def test_client_abort_mid_prefill_frees_reserved_pages(server):
@@ -173,7 +158,7 @@ def test_client_abort_mid_prefill_frees_reserved_pages(server):
         httpx.post(f"{server.url}/v1/chat/completions", json=LONG, timeout=1.0)
     except httpx.TimeoutException:
         pass                                              # the client left during prefill
-    wait_idle(server, timeout=30)
+    server.wait_workers_idle(30, 0.25)
     assert chat(server.url).status_code == 200
 
 
@@ -185,8 +170,8 @@ def test_nixl_transport_serves_the_same_answer(tmp_path_factory, colocated_answe
         r = chat(srv.url)
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["message"]["content"] == colocated_answer
-        t = info(srv)["transfers"]
+        t = srv.info()["transfers"]
         assert t["transfer_success"] == 1 and t.get("transfer_failed", 0) == 0
-        wait_idle(srv)
+        srv.wait_workers_idle(20, 0.25)
     finally:
         srv.stop()

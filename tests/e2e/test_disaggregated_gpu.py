@@ -18,7 +18,6 @@ import time
 import httpx
 import pytest
 
-from . import conftest
 from .conftest import Server
 
 pytestmark = [pytest.mark.gpu, pytest.mark.ray, pytest.mark.slow]
@@ -52,30 +51,12 @@ def complete(url: str, n_prompt: int, max_tokens: int, stream: bool = False, see
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    c = conftest
-    old, c.STARTUP_TIMEOUT_S = c.STARTUP_TIMEOUT_S, STARTUP_S   # two 8B actors load and capture
     srv = Server(tmp_path_factory.mktemp("disagg-gpu"), ARGS)
     try:
-        srv.wait_healthy()
+        srv.wait_healthy(STARTUP_S)    # two 8B actors load and capture
         yield srv
     finally:
-        c.STARTUP_TIMEOUT_S = old
         srv.stop()
-
-
-def info(server):
-    return httpx.get(f"{server.url}/get_server_info", timeout=10).json()
-
-
-def wait_idle(server, timeout=60):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        workers = info(server)["workers"]
-        if len(workers) == 2 and all(w["free_pages"] == w["total_pages"] and w["reservations"] == 0
-                                     and w["held"] == 0 for w in workers.values()):
-            return workers
-        time.sleep(0.5)
-    pytest.fail(f"pages still held: {info(server)['workers']}")
 
 
 def _ray():
@@ -91,11 +72,11 @@ def test_nvfp4_pages_move_gpu_to_gpu_over_nixl(server):
     r = complete(server.url, 4096, 16)
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 16
-    t = info(server)["transfers"]
+    t = server.info()["transfers"]
     nv = PageLayout("nvfp4", 36, 8, 128, 16).page_nbytes
     assert t["transfer_success"] >= 1 and t.get("transfer_failed", 0) == 0
     assert t["transfer_bytes"] % nv == 0 and t["transfer_bytes"] >= 4096 // 16 * nv
-    wait_idle(server)
+    server.wait_workers_idle(60, 0.5)
 
 
 def test_prefill_actor_killed_mid_prefill(server):
@@ -112,10 +93,10 @@ def test_prefill_actor_killed_mid_prefill(server):
         assert time.monotonic() - killed < 5 and "error" in r.json()
     assert complete(server.url, 256, 4).status_code == 200
     deadline = time.monotonic() + STARTUP_S
-    while "nibble-prefill-0" not in info(server)["transfers"]["alive_workers"]:
+    while "nibble-prefill-0" not in server.info()["transfers"]["alive_workers"]:
         assert time.monotonic() < deadline, "Ray did not restart the prefill actor"
         time.sleep(1)
-    wait_idle(server)
+    server.wait_workers_idle(60, 0.5)
 
 
 def test_decode_actor_killed_mid_stream(server):
@@ -135,8 +116,8 @@ def test_decode_actor_killed_mid_stream(server):
                 ended = time.monotonic()
     assert killed is not None and ended is not None and ended - killed < 5 + 120
     deadline = time.monotonic() + STARTUP_S
-    while "nibble-decode-0" not in info(server)["transfers"]["alive_workers"]:
+    while "nibble-decode-0" not in server.info()["transfers"]["alive_workers"]:
         assert time.monotonic() < deadline, "Ray did not restart the decode actor"
         time.sleep(1)
     assert complete(server.url, 256, 4).status_code == 200
-    wait_idle(server)
+    server.wait_workers_idle(60, 0.5)

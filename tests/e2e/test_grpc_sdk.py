@@ -16,9 +16,10 @@ import httpx
 import pytest
 
 import nibble.client as sdk
+from nibble.bench._server import free_port
 from nibble.client import Client, InvalidArgument, NotFound, RetryPolicy
 
-from .conftest import Server, _free_port
+from .conftest import Server
 
 pytestmark = pytest.mark.slow
 
@@ -30,7 +31,7 @@ RETRY = RetryPolicy(max_attempts=5, initial_backoff=0.05)
 
 
 def start(tmp, args: list[str]) -> tuple[Server, str]:
-    grpc_port = _free_port()
+    grpc_port = free_port()
     srv = Server(tmp, [*args, "--grpc-port", str(grpc_port)])
     srv.wait_healthy()                    # the gRPC server is up before HTTP answers
     return srv, f"127.0.0.1:{grpc_port}"
