@@ -213,6 +213,3 @@ def decode_attention_cuda(layout: PageLayout, pages: LayerPages, q: torch.Tensor
                      sm_scale * LOG2E * (1.0 if fp8 else 128.0), part_o, part_ml, out, nsplit,
                      variant)
     return out
-
-
-decode_attention_nvfp4_cuda = decode_attention_cuda  # the name before FP8 pages were served

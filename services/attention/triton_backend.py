@@ -13,7 +13,7 @@ lengths, the extend masks) and allocates the extend workspace; every layer's
   torch SDPA over prefix + chunk, per sequence;
 * **decode**: one fused split-K paged-decode launch (plus its reduce) per layer
   for all decode sequences: the register-level Hopper kernel
-  :func:`~nibble.kernels.cuda.decode_attention_nvfp4_cuda` where it applies
+  :func:`~nibble.kernels.cuda.decode_attention_cuda` where it applies
   (``decode_impl == "cuda-sm90"``), else the portable
   :func:`~nibble.kernels.triton.decode_attention` (``"triton"``); chosen once at
   construction by :mod:`.decode_select` (``NIBBLE_DECODE_KERNEL`` overrides).
@@ -32,7 +32,7 @@ import torch
 import triton
 
 from nibble.kernels import PageLayout
-from nibble.kernels.cuda import decode_attention_nvfp4_cuda, default_variant, store_kv_nvfp4_cuda
+from nibble.kernels.cuda import decode_attention_cuda, default_variant, store_kv_nvfp4_cuda
 from nibble.kernels.cuda import default_num_splits as cuda_num_splits
 from nibble.kernels.cuda.store import unsupported_reason as cuda_store_reason
 from nibble.kernels.triton import decode_attention, default_num_splits, gather_kv, store_kv
@@ -117,7 +117,7 @@ class TritonAttentionBackend(AttentionBackend):
         self.decode_impl = choice.impl
         if choice.impl == CUDA_SM90:
             variant = default_variant(self.layout)
-            self._decode_fn = functools.partial(decode_attention_nvfp4_cuda, variant=variant)
+            self._decode_fn = functools.partial(decode_attention_cuda, variant=variant)
             self._splits_fn = functools.partial(cuda_num_splits, variant=variant)
         else:
             self._decode_fn, self._splits_fn = decode_attention, default_num_splits

@@ -13,8 +13,7 @@ import pytest
 import torch
 
 from nibble.kernels import KernelInputError, PageLayout, decode_attention_ref, store_kv_ref
-from nibble.kernels.cuda import (FP8_VARIANTS, VARIANTS, decode_attention_cuda,
-                                 decode_attention_nvfp4_cuda, is_built)
+from nibble.kernels.cuda import FP8_VARIANTS, VARIANTS, decode_attention_cuda, is_built
 
 HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 K_SCALE, V_SCALE = 0.37, 2.0
@@ -41,7 +40,7 @@ def _run(layout, pool, tables, lens, q, out_dtype=torch.float32, layer=1, **kw):
     dev = torch.device("cuda")
     view = layout.layer_view(pool.to(dev), layer)
     out = torch.full(q.shape, float("nan"), dtype=out_dtype, device=dev)
-    got = decode_attention_nvfp4_cuda(layout, view, q.to(dev), tables.to(dev), lens.to(dev),
+    got = decode_attention_cuda(layout, view, q.to(dev), tables.to(dev), lens.to(dev),
                                       128 ** -0.5, K_SCALE, V_SCALE, out=out, **kw)
     assert got is out
     return got.float().cpu()
@@ -104,7 +103,7 @@ def test_decode_cuda_graph_replay_sees_new_inputs(fmt):
     out = torch.full(q.shape, float("nan"), dtype=torch.float32, device=dev)
 
     def step():
-        decode_attention_nvfp4_cuda(layout, view, q_d, t_d, l_d, 128 ** -0.5, kgs, vgs, out=out,
+        decode_attention_cuda(layout, view, q_d, t_d, l_d, 128 ** -0.5, kgs, vgs, out=out,
                                     max_seq_len=512)
     step()
     torch.cuda.synchronize()
@@ -145,13 +144,13 @@ def _cpu_args(fmt="nvfp4", d=128, s=16, h=2, hq=8, q_dtype=torch.bfloat16):
 def test_rejects_bad_inputs_without_building(kwargs, message):
     layout, view, q, tables, lens = _cpu_args(**kwargs)
     with pytest.raises(KernelInputError, match=message):
-        decode_attention_nvfp4_cuda(layout, view, q, tables, lens, 0.1)
+        decode_attention_cuda(layout, view, q, tables, lens, 0.1)
     assert not is_built() or HAS_SM90
 
 
 def test_import_builds_nothing():
     import nibble.kernels.cuda as mod
-    assert callable(mod.decode_attention_nvfp4_cuda)
+    assert callable(mod.decode_attention_cuda)
     if not torch.cuda.is_available():
         assert not is_built()
 

@@ -45,7 +45,7 @@ def test_constructor_decides_once_and_logs(fake_cap, no_compile, monkeypatch, ca
         backend = fake_backend(layout())
     assert backend.decode_impl == "cuda-sm90" and len(asked) == 1
     assert backend.store_impl == "triton"           # the CUDA store is opt-in
-    assert backend._decode_fn.func is tb.decode_attention_nvfp4_cuda
+    assert backend._decode_fn.func is tb.decode_attention_cuda
     assert backend._decode_fn.keywords == {"variant": kcuda.DEFAULT_VARIANT}
     assert "decode kernel: cuda-sm90" in caplog.text
     fake_cap((8, 0))
@@ -158,7 +158,7 @@ def spy_cuda(monkeypatch, no_compile):
     def splits(*args, **kw):
         calls["splits"].append(args)
         return 3
-    monkeypatch.setattr(tb, "decode_attention_nvfp4_cuda", decode)
+    monkeypatch.setattr(tb, "decode_attention_cuda", decode)
     monkeypatch.setattr(tb, "cuda_num_splits", splits)
     monkeypatch.delenv(ds.ENV_VAR, raising=False)
     return calls
@@ -212,7 +212,7 @@ def gqa8_model():
 
 def count_launches(monkeypatch):
     counts = {"cuda": 0, "triton": 0}
-    for name, attr in (("cuda", "decode_attention_nvfp4_cuda"), ("triton", "decode_attention")):
+    for name, attr in (("cuda", "decode_attention_cuda"), ("triton", "decode_attention")):
         def wrapped(*a, _fn=getattr(tb, attr), _name=name, **kw):
             counts[_name] += 1
             return _fn(*a, **kw)
