@@ -7,10 +7,13 @@ Flag names follow SGLang/vLLM. Each component receives only its own slice
 from __future__ import annotations
 
 import argparse
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from nibble.kernels import KV_CACHE_FORMATS
 
+from .credentials import ADMIN_API_KEY_ENV, API_KEY_ENV, collect_keys
 from .errors import ConfigError
 
 DEFAULT_PORT = 30000
@@ -34,6 +37,7 @@ class CacheConfig:
     max_total_tokens: int | None = None    # pool capacity in tokens; overrides mem fraction
     prefill_kv_dtype: str = "auto"         # fp8_e4m3: cast fresh K/V (and extend workspace) to FP8
     disable_radix_cache: bool = False      # turn prefix reuse off
+    kv_secret_file: str | None = None      # the deployment's KV secret (else $NIBBLE_KV_SECRET)
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,7 @@ class HiCacheConfig:
     hicache_storage_url: str | None = None  # redis://host:port/db, or a directory for file
     hicache_storage_prefix: str = "nibble:kv:"  # Redis key prefix
     hicache_storage_ttl: int | None = None  # Redis TTL in seconds
+    hicache_storage_size: float | None = None  # file backend: directory budget in GB (None = auto)
     hicache_write_policy: str = "write_through"  # write_through | write_through_selective | write_back
     hicache_prefetch_policy: str = "best_effort"  # best_effort | wait_complete | timeout
     hicache_prefetch_timeout: float = 2.0  # seconds a request waits under "timeout"
@@ -70,6 +75,11 @@ class DisaggConfig:
     kv_transfer_failure_policy: str = "recompute"  # recompute | fail
     kv_transfer_timeout: float = 30.0      # seconds from reservation to installed pages
     kv_lease: float = 5.0                  # decode-side reservation lease, renewed by heartbeats
+    kv_transfer_host: str | None = None    # interface the transfer servers bind (None: loopback on
+                                           # a local cluster, the node's address on a joined one)
+    kv_transfer_ssl_certfile: str | None = None  # TLS for the gRPC transfer channel
+    kv_transfer_ssl_keyfile: str | None = None
+    kv_transfer_ssl_ca_certs: str | None = None  # CA that signs every worker's certificate (mTLS)
 
 
 @dataclass(frozen=True)
@@ -89,6 +99,12 @@ class ServerConfig:
     api_keys: tuple[str, ...] = field(default=(), repr=False)        # guard /v1/*
     admin_api_keys: tuple[str, ...] = field(default=(), repr=False)  # guard the admin routes
     grpc_port: int | None = None       # the gRPC API (services/grpc_api) beside HTTP; None = off
+    ssl_keyfile: str | None = None     # TLS for HTTP and gRPC (both or neither of key and cert)
+    ssl_certfile: str | None = None
+    ssl_ca_certs: str | None = None    # when set, clients must present a certificate it signed
+    allow_unauthenticated: bool = False  # bind a non-loopback host without any API key
+    graceful_shutdown_timeout: float = 30.0  # SIGTERM: seconds running requests get to finish
+    max_request_body_bytes: int = 16 << 20   # larger HTTP bodies / gRPC messages are refused
 
 
 @dataclass(frozen=True)
@@ -121,6 +137,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-total-tokens", type=int, default=None)
     g.add_argument("--prefill-kv-dtype", default=d.cache.prefill_kv_dtype, choices=["auto", "fp8_e4m3"])
     g.add_argument("--disable-radix-cache", action="store_true")
+    g.add_argument("--kv-secret-file", default=None, metavar="PATH",
+                   help="the deployment's KV secret (>= 16 bytes): authenticates L3 page "
+                        "records, keys the content keys, signs transfer tickets; the same on "
+                        "every replica and worker (default: $NIBBLE_KV_SECRET, else a random "
+                        "secret per process)")
     h = HiCacheConfig()
     g = p.add_argument_group("hierarchical cache (L2 host memory, L3 storage)")
     g.add_argument("--enable-hierarchical-cache", action="store_true")
@@ -131,6 +152,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--hicache-storage-url", default=None)
     g.add_argument("--hicache-storage-prefix", default=h.hicache_storage_prefix)
     g.add_argument("--hicache-storage-ttl", type=int, default=None)
+    g.add_argument("--hicache-storage-size", type=float, default=None, metavar="GB",
+                   help="file backend: most bytes the directory may hold, LRU-evicted "
+                        "(default: 16 GB or half the free disk, whichever is less)")
     g.add_argument("--hicache-write-policy", default=h.hicache_write_policy,
                    choices=["write_through", "write_through_selective", "write_back"])
     g.add_argument("--hicache-prefetch-policy", default=h.hicache_prefetch_policy,
@@ -154,6 +178,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-transfer-failure-policy", default=dd.kv_transfer_failure_policy,
                    choices=["recompute", "fail"])
     g.add_argument("--kv-transfer-timeout", type=float, default=dd.kv_transfer_timeout)
+    g.add_argument("--kv-transfer-host", default=None,
+                   help="interface the KV-transfer servers bind (default: 127.0.0.1 on a "
+                        "local cluster, the node's Ray address on a joined one)")
+    g.add_argument("--kv-transfer-ssl-certfile", default=None,
+                   help="TLS certificate of this worker's KV-transfer server")
+    g.add_argument("--kv-transfer-ssl-keyfile", default=None)
+    g.add_argument("--kv-transfer-ssl-ca-certs", default=None,
+                   help="CA that signs every worker's transfer certificate (mutual TLS)")
     g = p.add_argument_group("device")
     g.add_argument("--device", default=d.device.device, choices=["auto", "cpu", "cuda"])
     g.add_argument("--attention-backend", default=d.device.attention_backend,
@@ -172,41 +204,86 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--log-level", default=d.log_level)
     g.add_argument("--api-key", dest="api_keys", action="append", default=None, metavar="KEY",
                    help="require this key (Authorization: Bearer KEY or x-api-key) on /v1 "
-                        "routes; repeat for several keys (default: unauthenticated)")
+                        "routes; repeatable. Visible in ps: prefer --api-key-file or "
+                        "$NIBBLE_API_KEY (default: unauthenticated)")
+    g.add_argument("--api-key-file", dest="api_key_files", action="append", default=None,
+                   metavar="PATH", help="API keys, one per line; repeatable")
     g.add_argument("--admin-api-key", dest="admin_api_keys", action="append", default=None,
-                   metavar="KEY", help="require this key on /flush_cache, /abort_request and "
-                   "/get_server_info; repeatable (default: the --api-key keys)")
+                   metavar="KEY", help="require this key on the admin routes (/flush_cache, "
+                   "/abort_request, /get_server_info, /kv_events); repeatable. Without one, "
+                   "the admin routes answer on loopback only")
+    g.add_argument("--admin-api-key-file", dest="admin_api_key_files", action="append",
+                   default=None, metavar="PATH", help="admin keys, one per line; repeatable "
+                   "(or $NIBBLE_ADMIN_API_KEY)")
+    g.add_argument("--allow-unauthenticated", action="store_true",
+                   help="allow a non-loopback --host without any API key")
+    g.add_argument("--ssl-keyfile", default=None, help="TLS private key (HTTP and gRPC)")
+    g.add_argument("--ssl-certfile", default=None, help="TLS certificate chain (HTTP and gRPC)")
+    g.add_argument("--ssl-ca-certs", default=None,
+                   help="CA bundle; when set, clients must present a certificate it signed")
+    g.add_argument("--graceful-shutdown-timeout", type=float, default=d.graceful_shutdown_timeout,
+                   help="on SIGTERM: stop admitting (503), give running requests this many "
+                        "seconds, then end the remaining streams with an error event")
+    g.add_argument("--max-request-body-bytes", type=int, default=d.max_request_body_bytes,
+                   help="largest HTTP request body and gRPC message accepted")
     g.add_argument("--grpc-port", type=int, nargs="?", const=DEFAULT_GRPC_PORT, default=None,
                    help=f"also serve the gRPC API (nibble.v1.Nibble, health, reflection) on "
                         f"this port of --host; bare flag: {DEFAULT_GRPC_PORT} (default: off)")
 
 
-def config_from_args(ns: argparse.Namespace) -> NibbleConfig:
-    """Build and validate the config tree from parsed flags (server flags optional)."""
+def _server_config(ns: argparse.Namespace, env: Mapping[str, str]) -> ServerConfig:
     get = lambda name, default=None: getattr(ns, name, default)  # noqa: E731
+    d = ServerConfig()
+    return ServerConfig(
+        host=get("host", d.host), port=get("port", d.port), log_level=get("log_level", d.log_level),
+        api_keys=collect_keys(get("api_keys"), get("api_key_files"), env, API_KEY_ENV,
+                              "--api-key"),
+        admin_api_keys=collect_keys(get("admin_api_keys"), get("admin_api_key_files"), env,
+                                    ADMIN_API_KEY_ENV, "--admin-api-key"),
+        grpc_port=get("grpc_port"), ssl_keyfile=get("ssl_keyfile"),
+        ssl_certfile=get("ssl_certfile"), ssl_ca_certs=get("ssl_ca_certs"),
+        allow_unauthenticated=bool(get("allow_unauthenticated", False)),
+        graceful_shutdown_timeout=get("graceful_shutdown_timeout", d.graceful_shutdown_timeout),
+        max_request_body_bytes=get("max_request_body_bytes", d.max_request_body_bytes))
+
+
+def config_from_args(ns: argparse.Namespace, env: Mapping[str, str] | None = None
+                     ) -> NibbleConfig:
+    """Build and validate the config tree from parsed flags (server flags optional).
+
+    ``env`` (default ``os.environ``) supplies the keys of ``$NIBBLE_API_KEY`` and
+    ``$NIBBLE_ADMIN_API_KEY``; key files are read here, once."""
+    env = os.environ if env is None else env
+    get = lambda name, default=None: getattr(ns, name, default)  # noqa: E731
+    dd = DisaggConfig()
     cfg = NibbleConfig(
         model=ModelConfig(ns.model_path, ns.served_model_name, ns.dtype, ns.context_length,
                           get("load_format", "auto")),
         cache=CacheConfig(ns.kv_cache_dtype, ns.page_size, ns.mem_fraction_static,
-                          ns.max_total_tokens, ns.prefill_kv_dtype, ns.disable_radix_cache),
+                          ns.max_total_tokens, ns.prefill_kv_dtype, ns.disable_radix_cache,
+                          kv_secret_file=get("kv_secret_file")),
         hicache=HiCacheConfig(
             ns.enable_hierarchical_cache, ns.hicache_ratio, ns.hicache_size,
             ns.hicache_storage_backend, ns.hicache_storage_url, ns.hicache_storage_prefix,
-            ns.hicache_storage_ttl, ns.hicache_write_policy, ns.hicache_prefetch_policy,
-            ns.hicache_prefetch_timeout),
+            ns.hicache_storage_ttl, get("hicache_storage_size"), ns.hicache_write_policy,
+            ns.hicache_prefetch_policy, ns.hicache_prefetch_timeout),
         scheduler=SchedulerConfig(ns.max_running_requests, ns.chunked_prefill_size,
                                   ns.max_prefill_tokens, ns.max_queued_requests,
                                   ns.schedule_policy, ns.schedule_conservativeness),
-        disagg=DisaggConfig(get("disaggregate", False), get("prefill_workers", 1),
-                            get("decode_workers", 1), get("ray_address"),
-                            get("kv_transport", "grpc"),
-                            get("kv_transfer_failure_policy", "recompute"),
-                            get("kv_transfer_timeout", 30.0)),
+        disagg=DisaggConfig(
+            disaggregate=get("disaggregate", False), prefill_workers=get("prefill_workers", 1),
+            decode_workers=get("decode_workers", 1), ray_address=get("ray_address"),
+            kv_transport=get("kv_transport", dd.kv_transport),
+            kv_transfer_failure_policy=get("kv_transfer_failure_policy",
+                                           dd.kv_transfer_failure_policy),
+            kv_transfer_timeout=get("kv_transfer_timeout", dd.kv_transfer_timeout),
+            kv_transfer_host=get("kv_transfer_host"),
+            kv_transfer_ssl_certfile=get("kv_transfer_ssl_certfile"),
+            kv_transfer_ssl_keyfile=get("kv_transfer_ssl_keyfile"),
+            kv_transfer_ssl_ca_certs=get("kv_transfer_ssl_ca_certs")),
         device=DeviceConfig(ns.device, ns.attention_backend, get("disable_cuda_graph", False),
                             get("cuda_graph_max_bs", 64)),
-        server=ServerConfig(get("host", "127.0.0.1"), get("port", DEFAULT_PORT),
-                            get("log_level", "info"), tuple(get("api_keys") or ()),
-                            tuple(get("admin_api_keys") or ()), get("grpc_port")),
+        server=_server_config(ns, env),
     )
     validate(cfg)
     return cfg
@@ -248,3 +325,22 @@ def validate(cfg: NibbleConfig) -> None:
     g = cfg.server.grpc_port
     if g is not None and (not 0 < g < 65536 or g == cfg.server.port):
         raise ConfigError(f"--grpc-port must be in 1..65535 and differ from --port, got {g}")
+    _validate_security(cfg)
+
+
+def _validate_security(cfg: NibbleConfig) -> None:
+    s, d = cfg.server, cfg.disagg
+    if (s.ssl_keyfile is None) != (s.ssl_certfile is None):
+        raise ConfigError("--ssl-keyfile and --ssl-certfile go together")
+    if s.ssl_ca_certs is not None and s.ssl_certfile is None:
+        raise ConfigError("--ssl-ca-certs (client certificates) needs --ssl-certfile and "
+                          "--ssl-keyfile")
+    if (d.kv_transfer_ssl_keyfile is None) != (d.kv_transfer_ssl_certfile is None):
+        raise ConfigError("--kv-transfer-ssl-keyfile and --kv-transfer-ssl-certfile go together")
+    if s.graceful_shutdown_timeout < 0:
+        raise ConfigError("--graceful-shutdown-timeout must be >= 0")
+    if s.max_request_body_bytes < 1024:
+        raise ConfigError("--max-request-body-bytes must be >= 1024")
+    h = cfg.hicache
+    if h.hicache_storage_size is not None and h.hicache_storage_size <= 0:
+        raise ConfigError("--hicache-storage-size must be > 0")
