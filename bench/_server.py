@@ -86,10 +86,11 @@ def isolate_storage(argv: Sequence[str], scratch: pathlib.Path) -> list[str]:
 
 
 class ServerProcess:
-    """One server subprocess; ``cmd`` defaults to ``nibble serve`` (tests pass a stand-in)."""
+    """One server subprocess; ``cmd`` defaults to ``nibble serve`` (tests pass a stand-in);
+    ``env`` adds variables (secrets go there, never into argv)."""
 
     def __init__(self, argv: Sequence[str], log_path: pathlib.Path,
-                 cmd: Sequence[str] = SERVE_CMD):
+                 cmd: Sequence[str] = SERVE_CMD, env: dict[str, str] | None = None):
         for flag in ("--port", "--host"):
             if _flag_value(argv, flag) is not None:
                 raise ConfigError(f"{flag} is chosen by the benchmark; leave it out of --server-args")
@@ -100,7 +101,7 @@ class ServerProcess:
         self.proc = subprocess.Popen(
             [*cmd, "--host", "127.0.0.1", "--port", str(self.port), *argv],
             stdout=self._log, stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
 
     def log_tail(self, n: int = 3000) -> str:
         return self.log_path.read_text(errors="replace")[-n:]

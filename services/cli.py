@@ -167,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
 BENCHMARKS = {"accuracy": "accuracy", "throughput": "throughput", "multiturn": "multiturn",
               "tier-ttft": "tier_ttft", "tiers": "tiers", "transfer": "transfer",
               "disagg-ttft": "disagg_ttft", "serving": "serving", "agentic": "agentic",
-              "e2e": "e2e"}
+              "e2e": "e2e", "soak": "soak"}
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
