@@ -37,6 +37,7 @@ from .transfer_state import TransferError
 
 log = logging.getLogger(__name__)
 _WILDCARDS = ("0.0.0.0", "::", "[::]", "")
+DEVICE_FAULT_EXIT_CODE = 70        # EX_SOFTWARE: the engine is unusable, restart the process
 
 
 def _ray_node_ip() -> str:
@@ -132,6 +133,12 @@ class EngineWorker:
                 "model_name": self.engine.model_name}
 
     async def stats(self) -> dict:
+        """Gauges for the router's poll; a worker whose engine died of a device fault exits
+        here (non-zero), so Ray restarts the actor on a fresh device context."""
+        if not self.engine.is_healthy():
+            log.critical("worker %s: %s; exiting so Ray restarts it", self.worker_id,
+                         self.engine.dead_reason or "engine thread gone")
+            os._exit(DEVICE_FAULT_EXIT_CODE)
         s = self.engine.stats()
         s["free_pages"] = self.pool.allocator.num_free
         s["total_pages"] = self.pool.num_pages

@@ -69,3 +69,23 @@ def test_decode_accepts_only_a_checksum_signed_for_its_ticket():
         check_transfer(KEY, b, "c0ffee", checksum_tag(KEY, a, "c0ffee"), "c0ffee")
     with pytest.raises(TransferError, match="not signed"):
         check_transfer(KEY, a, "c0ffee", b"", "c0ffee")
+
+
+def test_a_worker_whose_engine_died_exits_for_ray_to_restart_it(monkeypatch):
+    import asyncio
+    import types
+
+    from nibble.services.disagg import worker as worker_mod
+
+    exits = []
+
+    def fake_exit(code):
+        exits.append(code)
+        raise SystemExit(code)
+    monkeypatch.setattr(worker_mod.os, "_exit", fake_exit)
+    engine = types.SimpleNamespace(is_healthy=lambda: False,
+                                   dead_reason="engine stopped after a device fault: ...")
+    fake = types.SimpleNamespace(engine=engine, worker_id="nibble-decode-0")
+    with pytest.raises(SystemExit):
+        asyncio.run(worker_mod.EngineWorker.stats(fake))
+    assert exits == [worker_mod.DEVICE_FAULT_EXIT_CODE] and exits[0] != 0
