@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import torch
 
 from nibble.services.config import NibbleConfig, SchedulerConfig
@@ -93,10 +91,6 @@ async def collect(engine: AsyncEngine, req):
     except NibbleError as e:
         return e
     return outs
-
-
-def shutdown(engine: AsyncEngine) -> None:
-    asyncio.run(engine.shutdown())
 
 
 def no_grad_poison(pool, page: int) -> None:
