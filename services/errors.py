@@ -48,3 +48,16 @@ class QueueFullError(RetryableError):
 
 class EngineDeadError(FatalError):
     """The engine loop stopped; no request can be served."""
+
+
+class RequestFaultError(NibbleError):
+    """One request's share of an engine step failed: its input or its cached pages made the
+    model raise or produce non-finite logits. That request ends with this error (after one
+    recompute without cached pages, when cached pages may have been the cause); the other
+    requests of the step are retried without it and run on."""
+
+
+class DeviceFaultError(EngineDeadError):
+    """The device is unusable: a CUDA error (illegal address, device-side assert, ...), or
+    steps kept failing with nothing left to isolate. Every request fails, the engine stops,
+    ``is_healthy()`` turns False and the server exits non-zero so a supervisor restarts it."""

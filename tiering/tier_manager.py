@@ -66,6 +66,7 @@ class TierManager:
         self._hits: dict[bytes, int] = {}            # for write_through_selective
         self._inflight: dict[int, tuple[list[PageId], list[bytes]]] = {}  # job -> pinned pages, keys
         self._inflight_keys: set[bytes] = set()
+        self._discarded: set[bytes] = set()          # suspect keys whose backup is in flight
         self._job_ids = 0
         self._prefetch: dict[str, Prefetch] = {}
         self.prefill_tok_s = 0.0
@@ -162,6 +163,11 @@ class TierManager:
                 pages, keys = self._inflight.pop(job_id)
                 self._inflight_keys.difference_update(keys)
                 self.pool.free(pages)
+                for key in self._discarded.intersection(keys):
+                    self._discarded.discard(key)
+                    if self.host is not None and key in self.host:
+                        self.host.drop(key)
+                        self.events.emit("removed", "l2", [key])
 
     def drain(self, timeout: float = 10.0) -> bool:
         """Wait until queued background work is done and applied; False on timeout."""
@@ -254,6 +260,20 @@ class TierManager:
         self.counters["load_seconds"] += time.perf_counter() - t0
         self.counters["loads"] += 1
         return LoadResult(pages, len(pages) - from_l3, from_l3)
+
+    def discard(self, pages: list[PageId]) -> None:
+        """Forget the L1 pages the radix tree just dropped as suspect (a step failed on them),
+        and their copies in L2, so no later request can load them again. A backup still
+        copying one of them is dropped from L2 when it completes (``poll``)."""
+        keys = [k for p in pages if (k := self._l1_key.pop(p, None)) is not None]
+        self.events.emit("removed", "l1", keys)
+        for key in keys:
+            self._hits.pop(key, None)
+            if key in self._inflight_keys:
+                self._discarded.add(key)
+            elif self.host is not None and key in self.host:
+                self.host.drop(key)
+                self.events.emit("removed", "l2", [key])
 
     def cancel(self, request_id: str) -> None:
         """Forget a waiting request's prefetch (aborted); fetched pages stay in L2."""

@@ -3,69 +3,88 @@
 ``DisaggEngine.start(cfg)`` starts (or joins) a Ray cluster, creates named
 actors ``nibble-prefill-<i>``, ``nibble-decode-<i>`` and ``nibble-router``,
 and then serves the same methods the gateway calls on a colocated engine.
+The actors load the KV secret from a file (``secret_handoff``), never from
+Ray's runtime environment.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
-import secrets
 from typing import AsyncIterator
-
 
 from ..config import NibbleConfig
 from ..engine.async_engine import redacted_config
 from ..engine.types import GenerateRequest, RequestOutput
 from ..errors import EngineDeadError, InvalidRequestError
+from .secret_handoff import SecretDir, prepare_kv_secret
 
 log = logging.getLogger(__name__)
 STATS_TIMEOUT_S = 5.0
 RAY_NAMESPACE = "nibble"      # actors are named within it, so `ray.get_actor(...)` finds them
 
 
-def _init_ray(cfg: NibbleConfig, secret: str) -> bool:
-    """Connect to --ray-address or start a local cluster on loopback; True if we started it."""
+def _init_ray(cfg: NibbleConfig) -> bool:
+    """Connect to --ray-address or start a local cluster on loopback; True if we started it.
+
+    No runtime environment carries a secret: Ray writes runtime environments into
+    its session logs."""
     import ray
 
-    env = {"env_vars": {"NIBBLE_KV_SECRET": secret}}
     if ray.is_initialized():
         return False
     if cfg.disagg.ray_address:
-        ray.init(address=cfg.disagg.ray_address, runtime_env=env, namespace=RAY_NAMESPACE,
-                 log_to_driver=True)
+        ray.init(address=cfg.disagg.ray_address, namespace=RAY_NAMESPACE, log_to_driver=True)
         return False
     missing = ray._private.utils.get_dashboard_dependency_error()
     if missing:   # a core-only Ray install (no ray[default]) runs without the dashboard
         log.warning("Ray dashboard off: its dependencies are missing (%s)", missing)
     ray.init(_node_ip_address="127.0.0.1", dashboard_host="127.0.0.1",
              include_dashboard=not missing,
-             runtime_env=env, num_cpus=max(2, os.cpu_count() or 2), namespace=RAY_NAMESPACE,
+             num_cpus=max(2, os.cpu_count() or 2), namespace=RAY_NAMESPACE,
              log_to_driver=True)
     return True
 
 
+def actor_config(cfg: NibbleConfig) -> NibbleConfig:
+    """The config the actors get: without the API keys, which only the gateway checks."""
+    server = dataclasses.replace(cfg.server, api_keys=(), admin_api_keys=())
+    return dataclasses.replace(cfg, server=server)
+
+
 class DisaggEngine:
     def __init__(self, cfg: NibbleConfig, router, workers: dict[str, object], meta: dict,
-                 tokenizer, started_ray: bool):
+                 tokenizer, started_ray: bool, secret_dir: SecretDir | None = None):
         self.cfg, self.router, self.workers = cfg, router, workers
         self.model_name = cfg.model.served_model_name or meta["model_name"]
         self.context_length = meta["context_length"]
         self.tokenizer = tokenizer
         self._started_ray = started_ray
+        self._secret_dir = secret_dir          # the local cluster's secret file, if we wrote it
         self._healthy = True
 
     @classmethod
     async def start(cls, cfg: NibbleConfig) -> "DisaggEngine":
+        cfg, secret_dir = prepare_kv_secret(cfg)
+        try:
+            return await cls._start(cfg, secret_dir)
+        except BaseException:
+            if secret_dir is not None:
+                secret_dir.remove()
+            raise
+
+    @classmethod
+    async def _start(cls, cfg: NibbleConfig, secret_dir: SecretDir | None) -> "DisaggEngine":
         import ray
 
         from ..models.loader import load_tokenizer
         from .orchestrator import make_orchestrator_class
         from .worker import make_worker_class
 
-        secret = os.environ.get("NIBBLE_KV_SECRET") or secrets.token_hex(32)
-        os.environ["NIBBLE_KV_SECRET"] = secret
-        started = await asyncio.to_thread(_init_ray, cfg, secret)
+        started = await asyncio.to_thread(_init_ray, cfg)
+        actor_cfg = actor_config(cfg)
         # The gateway may have no GPU while the workers do: ask the cluster, not this process.
         cuda = cfg.device.device == "cuda" or (
             cfg.device.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
@@ -74,17 +93,18 @@ class DisaggEngine:
         workers = {}
         for name, role in roles.items():
             actor_cls = make_worker_class(role, num_gpus=1 if cuda else 0, num_cpus=0.5)
-            workers[name] = actor_cls.options(name=name, get_if_exists=True).remote(cfg, role, name)
+            workers[name] = actor_cls.options(name=name, get_if_exists=True).remote(
+                actor_cfg, role, name)
         await asyncio.gather(*(w.info.remote() for w in workers.values()))
         router = make_orchestrator_class().options(name="nibble-router", get_if_exists=True).remote(
-            cfg, roles)
+            actor_cfg, roles)
         meta = await router.start.remote()
         tokenizer = await asyncio.to_thread(load_tokenizer, cfg.model.model_path,
                                             cfg.model.load_format)
         log.info("disaggregated: %d prefill + %d decode workers over %s; Ray dashboard at %s",
                  cfg.disagg.prefill_workers, cfg.disagg.decode_workers, cfg.disagg.kv_transport,
                  ray.get_runtime_context().gcs_address if not started else "http://127.0.0.1:8265")
-        return cls(cfg, router, workers, meta, tokenizer, started)
+        return cls(cfg, router, workers, meta, tokenizer, started, secret_dir)
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
         if not req.prompt_token_ids:
@@ -143,3 +163,5 @@ class DisaggEngine:
             ray.kill(actor, no_restart=True)
         if self._started_ray:
             await asyncio.to_thread(ray.shutdown)
+        if self._secret_dir is not None:
+            self._secret_dir.remove()

@@ -5,7 +5,13 @@ attached to that pool. Decode role: ``reserve`` pages under a lease, ``decode``
 (verify the received pages, install, stream tokens), ``generate`` (plain
 colocated generation: skipped prefill or recompute). Prefill role: ``prefill``
 (compute the prompt, write its pages into the decode worker's reservation,
-return the first token and the page-set checksum).
+return the first token, the page-set checksum and the checksum tag that binds
+it to the ticket).
+
+The transfer key is derived from the deployment's KV secret, which every
+worker loads from ``--kv-secret-file`` (on a local cluster the gateway writes a
+private file for it) or ``$NIBBLE_KV_SECRET``; it never travels in a Ray
+runtime environment, whose contents land in Ray's logs.
 """
 
 from __future__ import annotations
@@ -15,25 +21,89 @@ import dataclasses
 import logging
 import os
 import time
+from typing import Callable
 
-from nibble.tiering.transfer import TransferTicket, create_transport, page_set_checksum
+from nibble.tiering.transfer import (TransferTicket, checksum_tag, create_transport,
+                                     page_set_checksum, verify_checksum_tag)
+from nibble.tiering.transfer.grpc_transport import is_loopback
 
-from ..config import NibbleConfig
+from ..config import DisaggConfig, NibbleConfig
+from ..credentials import load_kv_secret
 from ..engine.async_engine import AsyncEngine
 from ..engine.builder import build_parts
 from ..engine.types import GenerateRequest, RequestOutput
+from ..errors import ConfigError
 from .transfer_state import TransferError
 
 log = logging.getLogger(__name__)
+_WILDCARDS = ("0.0.0.0", "::", "[::]", "")
+DEVICE_FAULT_EXIT_CODE = 70        # EX_SOFTWARE: the engine is unusable, restart the process
 
 
-def transport_options(kind: str) -> dict:
-    """gRPC listens on this node's Ray address, so peers on other nodes can reach it."""
-    if kind != "grpc":
-        return {}
+def _ray_node_ip() -> str:
     import ray
-    ip = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
-    return {"address": f"{ip}:0"}
+    return ray.util.get_node_ip_address()
+
+
+def transport_options(d: DisaggConfig, transfer_key: bytes,
+                      node_ip: Callable[[], str] = _ray_node_ip) -> dict:
+    """The worker's KV-transport options: the transfer key, and for gRPC where to listen.
+
+    gRPC binds ``--kv-transfer-host`` if given, else loopback on a local
+    cluster (no ``--ray-address``: every worker is on this host) and this
+    node's Ray address on a joined one. A local cluster refuses any other
+    interface. ``--kv-transfer-ssl-*`` turn on mutual TLS (all three needed).
+    Raises ConfigError for a combination that cannot work.
+    """
+    opts: dict = {"secret": transfer_key}
+    tls = (d.kv_transfer_ssl_certfile, d.kv_transfer_ssl_keyfile, d.kv_transfer_ssl_ca_certs)
+    if d.kv_transport != "grpc":
+        if any(tls):
+            raise ConfigError(f"--kv-transfer-ssl-* secure the grpc transport; the "
+                              f"{d.kv_transport} transport (RDMA) has no TLS")
+        if d.kv_transfer_host:
+            log.warning("--kv-transfer-host applies to the grpc transport; %s picks its own "
+                        "interfaces", d.kv_transport)
+        return opts
+    local = d.ray_address is None
+    host = d.kv_transfer_host or ("127.0.0.1" if local else node_ip())
+    if local and not is_loopback(host):
+        raise ConfigError(f"--kv-transfer-host {host}: without --ray-address every worker runs "
+                          f"on this host and the transfer ports stay on loopback")
+    opts["address"] = f"[{host}]:0" if ":" in host.strip("[]") else f"{host}:0"
+    opts["loopback_only"] = local
+    if host in _WILDCARDS:
+        opts["advertise_host"] = node_ip()
+    if any(tls):
+        if not all(tls):
+            raise ConfigError("TLS on the KV-transfer channel is mutual: give "
+                              "--kv-transfer-ssl-certfile, --kv-transfer-ssl-keyfile and "
+                              "--kv-transfer-ssl-ca-certs together")
+        opts.update(ssl_certfile=tls[0], ssl_keyfile=tls[1], ssl_ca_certs=tls[2])
+    return opts
+
+
+def worker_transfer_key(cfg: NibbleConfig) -> bytes:
+    """The transfer key from the deployment secret this worker can read; ConfigError if none."""
+    secret = load_kv_secret(cfg.cache.kv_secret_file)
+    if secret is None:
+        raise ConfigError("no KV secret reached this worker: give --kv-secret-file with a path "
+                          "readable on every node, or set $NIBBLE_KV_SECRET in every node's "
+                          "environment")
+    return secret.derive("transfer")
+
+
+def check_transfer(key: bytes, ticket: TransferTicket, checksum: str, tag: bytes,
+                   received: str) -> None:
+    """Decode side: ``checksum`` is signed for ``ticket`` and equals the ``received`` pages'.
+
+    Raises TransferError (retryable by recompute) otherwise.
+    """
+    if not verify_checksum_tag(key, ticket, checksum, tag):
+        raise TransferError(f"{ticket.request_id}: the page-set checksum is not signed for "
+                            f"ticket {ticket.ticket_id}")
+    if received != checksum:
+        raise TransferError(f"{ticket.request_id}: page checksum mismatch after transfer")
 
 
 class EngineWorker:
@@ -42,10 +112,11 @@ class EngineWorker:
     def __init__(self, cfg: NibbleConfig, role: str, worker_id: str):
         logging.basicConfig(level=cfg.server.log_level.upper())
         self.cfg, self.role, self.worker_id = cfg, role, worker_id
+        self.transfer_key = worker_transfer_key(cfg)
         self.engine = AsyncEngine(build_parts(cfg), cfg)
         self.pool = self.engine.core.pool
         self.transport = create_transport(cfg.disagg.kv_transport, **transport_options(
-            cfg.disagg.kv_transport))
+            cfg.disagg, self.transfer_key))
         self.transport.attach(self.pool.pages)
         self.incarnation = os.urandom(8).hex()    # changes when Ray restarts the actor
         self._tickets: dict[str, str] = {}        # request id -> open transfer ticket id
@@ -62,6 +133,12 @@ class EngineWorker:
                 "model_name": self.engine.model_name}
 
     async def stats(self) -> dict:
+        """Gauges for the router's poll; a worker whose engine died of a device fault exits
+        here (non-zero), so Ray restarts the actor on a fresh device context."""
+        if not self.engine.is_healthy():
+            log.critical("worker %s: %s; exiting so Ray restarts it", self.worker_id,
+                         self.engine.dead_reason or "engine thread gone")
+            os._exit(DEVICE_FAULT_EXIT_CODE)
         s = self.engine.stats()
         s["free_pages"] = self.pool.allocator.num_free
         s["total_pages"] = self.pool.num_pages
@@ -108,20 +185,23 @@ class EngineWorker:
         return await self.engine.call(self.engine.core.handoff.cancel, request_id)
 
     async def decode(self, req: GenerateRequest, ticket: TransferTicket, first_token: int,
-                     checksum: str):
+                     checksum: str, tag: bytes):
         """Verify the pages the prefill worker wrote, then stream the rest of the request.
 
         The transport already refused writes without a ticket this worker issued;
-        the checksum proves the reserved pages hold exactly what was sent.
+        ``tag`` proves the prefill worker signed ``checksum`` for this ticket, and
+        the checksum that the reserved pages hold exactly what it sent.
         """
         handoff = self.engine.core.handoff
         if not await self.engine.call(lambda: req.request_id in handoff.reservations):
             # retryable: the orchestrator recomputes instead of failing the request
             raise TransferError(f"{req.request_id}: the reservation expired before install")
         got = await asyncio.to_thread(page_set_checksum, self.pool.pages, list(ticket.dst_pages))
-        if got != checksum:
+        try:
+            check_transfer(self.transfer_key, ticket, checksum, tag, got)
+        except TransferError:
             await self.cancel(req.request_id)
-            raise TransferError(f"{req.request_id}: page checksum mismatch after transfer")
+            raise
         self._tickets.pop(req.request_id, None)          # complete: nothing left to revoke
         self.transport.consume(ticket.ticket_id, ticket.nbytes)
         async for out in self.engine.generate_prefilled(req, first_token):
@@ -154,6 +234,7 @@ class EngineWorker:
             checksum = await asyncio.to_thread(page_set_checksum, self.pool.pages, src)
             await self._send(peer_endpoint, ticket, src, checksum)
             return {"first_token": first.new_token_ids[0], "checksum": checksum,
+                    "checksum_tag": checksum_tag(self.transfer_key, ticket, checksum),
                     "nbytes": len(src) * self.pool.layout.page_nbytes, "pages": len(src)}
         finally:
             await self.engine.call(self.engine.core.release_held, req.request_id)

@@ -2,6 +2,11 @@
 
 Requests and aborts reach the loop through a thread-safe inbox; outputs go back
 to each request's asyncio queue with ``call_soon_threadsafe``.
+
+Faults: a step that fails for some requests fails only those (``EngineCore``
+isolates them). A device fault (``DeviceFaultError``) ends the engine: every
+request gets the error, ``is_healthy()`` turns False with ``dead_reason``, and
+the thread then answers every later submission with that error until shutdown.
 """
 
 from __future__ import annotations
@@ -15,9 +20,11 @@ from dataclasses import asdict
 from typing import AsyncIterator
 
 from ..config import NibbleConfig
-from ..errors import EngineDeadError, NibbleError, QueueFullError
+from ..errors import EngineDeadError, NibbleError
+from .admission import AdmissionGate
 from .builder import EngineParts, build_parts
 from .engine import EngineCore
+from .faults import describe, is_device_fault
 from .types import FinishReason, GenerateRequest, RequestOutput, Usage
 
 log = logging.getLogger(__name__)
@@ -38,6 +45,9 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._dead: str | None = None
+        sch = cfg.scheduler
+        self.gate = AdmissionGate(sch.max_running_requests, sch.max_queued_requests)
+        self.core.scheduler.on_start = self.gate.started
         self._thread = threading.Thread(target=self._loop, name="nibble-engine", daemon=True)
         self._thread.start()
 
@@ -52,12 +62,7 @@ class AsyncEngine:
         if self._dead:
             raise EngineDeadError(self._dead)
         self.core.validate(req)
-        limit = self.cfg.scheduler.max_queued_requests
-        with self._lock:
-            queued = len(self._queues) - self.core.num_running()
-        if limit is not None and queued >= limit:
-            raise QueueFullError(f"the request queue is full ({queued} waiting, "
-                                 f"--max-queued-requests {limit}); retry later")
+        self.gate.admit(req.request_id)      # counted until its final output is delivered
         async for out in self._stream(req.request_id, ("add", req)):
             yield out
 
@@ -128,6 +133,11 @@ class AsyncEngine:
     def is_healthy(self) -> bool:
         return self._dead is None and self._thread.is_alive()
 
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the engine stopped serving (a device fault), or None while it is healthy."""
+        return self._dead
+
     def server_info(self) -> dict:
         pool = self.core.pool
         return {
@@ -152,6 +162,8 @@ class AsyncEngine:
 
     # ---- engine thread ----
     def _deliver(self, out: RequestOutput) -> None:
+        if out.finished:
+            self.gate.finished(out.request_id)
         with self._lock:
             target = self._queues.get(out.request_id)
         if target is not None:
@@ -205,22 +217,49 @@ class AsyncEngine:
             self._handle(kind, payload)
 
     def _loop(self) -> None:
-        while not self._stopping.is_set():
+        while not self._stopping.is_set() and self._dead is None:
             self._drain(block=not self.core.has_unfinished())
             self.core.handoff.expire()
             if not self.core.has_unfinished():
                 continue
             try:
                 outs = self.core.step()
-            except Exception as e:  # noqa: BLE001 - a bug must not kill the server
+            except Exception as e:  # noqa: BLE001 - classified: device fault, or a bug
+                if is_device_fault(e):
+                    self._die(e)
+                    break
+                # A bug outside the model step (scheduler, tiers): its state is unknown.
                 log.exception("engine step failed; failing the running requests")
-                outs = self.core.fail_all(f"internal engine error: {type(e).__name__}: {e}")
+                outs = self.core.fail_all(f"internal engine error: {describe(e)}")
             for out in outs:
                 self._deliver(out)
+        while self._dead is not None and not self._stopping.is_set():
+            self._refuse_next()
         for out in self.core.fail_all("server shutting down"):
             self._deliver(out)
         if self.core.tiers is not None:
             self.core.tiers.close()
+
+    def _die(self, exc: BaseException) -> None:
+        """A device fault: fail every request and stop serving (engine thread)."""
+        self._dead = f"engine stopped after a device fault: {describe(exc)}"
+        log.critical("%s; failing every request", self._dead, exc_info=exc)
+        for out in self.core.fail_all(self._dead, type(exc).__name__):
+            self._deliver(out)
+
+    def _refuse_next(self) -> None:
+        """Dead engine: answer the next inbox item with the fault instead of running it."""
+        try:
+            kind, payload = self._inbox.get(timeout=0.5)
+        except queue.Empty:
+            return
+        if kind in ("add", "install"):
+            req = payload if kind == "add" else payload[0]
+            self._deliver(RequestOutput(req.request_id, [], "", True, FinishReason.ABORT,
+                                        self._zero_usage(req), error=self._dead,
+                                        error_type=EngineDeadError.__name__))
+        elif kind == "call":
+            payload[1].set_exception(EngineDeadError(self._dead))
 
 
 def redacted_config(cfg: NibbleConfig) -> dict:

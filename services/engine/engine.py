@@ -16,8 +16,10 @@ from nibble.tiering.radix_cache import RadixCache
 from nibble.tiering.tier_manager import TierManager
 
 from ..config import SchedulerConfig
-from ..errors import ContextLengthExceededError, InvalidRequestError
+from ..errors import (ContextLengthExceededError, DeviceFaultError, InvalidRequestError,
+                      RequestFaultError)
 from .detokenizer import IncrementalDetokenizer
+from .faults import StepIsolator, describe, is_device_fault
 from .handoff import Handoff
 from .model_runner import ModelRunner
 from .scheduler import Scheduler
@@ -26,6 +28,9 @@ from .stop import StopStringMatcher
 from .types import FinishReason, GenerateRequest, RequestOutput
 
 log = logging.getLogger(__name__)
+MAX_RECOMPUTES = 1      # a request that failed on reused KV is recomputed at most this often
+MAX_FAULT_STREAK = 4    # requests failing in a row, with no request running cleanly meanwhile,
+                        # after which the engine itself is taken to be broken
 
 
 @dataclass
@@ -47,11 +52,12 @@ class EngineCore:
         context_length: max prompt + output tokens per request.
         cache: the prefix cache, or None when it is disabled.
         tiers: the tier manager (L2/L3 below the pool), or None.
+        max_fault_streak: see ``MAX_FAULT_STREAK``.
     """
 
     def __init__(self, runner: ModelRunner, pool: KVPool, tokenizer, sched_cfg: SchedulerConfig,
                  context_length: int, cache: RadixCache | None = None,
-                 tiers: TierManager | None = None):
+                 tiers: TierManager | None = None, max_fault_streak: int = MAX_FAULT_STREAK):
         self.runner = runner
         self.pool = pool
         self.cache = cache
@@ -64,6 +70,11 @@ class EngineCore:
         self._streams: dict[str, _Stream] = {}
         self.held: dict[str, tuple[list, int]] = {}   # prefill side: rid -> (pages, tokens)
         self.handoff = Handoff(self)
+        self.isolator = StepIsolator(runner, pool.layout.page_size)
+        self.max_fault_streak = max_fault_streak
+        self.fault_streak = 0          # requests failed since a step last ran a request cleanly
+        self.num_request_faults = 0    # totals, for metrics and tests
+        self.num_fault_recomputes = 0
 
     @property
     def max_request_tokens(self) -> int:
@@ -135,6 +146,8 @@ class EngineCore:
             "kv_cache_dtype": lay.kv_format,
             "cache_hit_rate": sch.cached_tokens_admitted / max(1, sch.prompt_tokens_admitted),
             "num_preemptions": sch.num_preemptions,
+            "num_request_faults": self.num_request_faults,
+            "num_fault_recomputes": self.num_fault_recomputes,
             "num_cached_pages": self.cache.num_cached_pages if self.cache is not None else 0,
             "tiers": self.tiers.stats() if self.tiers is not None else None,
         }
@@ -150,26 +163,29 @@ class EngineCore:
         seq.finish_reason = FinishReason.ABORT
         return self._finish(seq, "")
 
-    def fail_all(self, message: str) -> list[RequestOutput]:
-        """Finish every request with an error (the step loop hit a bug)."""
-        outs = []
-        for seq in list(self._seqs.values()):
-            seq.finish_reason = FinishReason.ABORT
-            out = self._finish(seq, "")
-            out.error = message
-            outs.append(out)
-        return outs
+    def fail_all(self, message: str, error_type: str | None = None) -> list[RequestOutput]:
+        """Finish every request with an error (shutdown, a bug, a dead device)."""
+        return [self._fail(seq, message, error_type, cache=True)
+                for seq in list(self._seqs.values())]
 
-    def _finish(self, seq: Sequence, text: str) -> RequestOutput:
+    def _fail(self, seq: Sequence, message: str, error_type: str | None,
+              cache: bool = False) -> RequestOutput:
+        """End ``seq`` with an error; its pages are cached only if ``cache`` (not suspect)."""
+        seq.finish_reason = FinishReason.ABORT
+        out = self._finish(seq, "", cache)
+        out.error, out.error_type = message, error_type
+        return out
+
+    def _finish(self, seq: Sequence, text: str, cache: bool = True) -> RequestOutput:
         if seq.request.hold_pages and seq.finish_reason is not FinishReason.ABORT:
             # Prefill worker: keep the pages (cached and referenced) until they are sent.
             self.scheduler.cache_computed(seq)
             self.held[seq.request_id] = (list(seq.pages), seq.num_computed)
             seq.pages = []
-        self.scheduler.remove(seq)
+        self.scheduler.remove(seq, cache)
         self.runner.release(seq.request_id)
-        del self._seqs[seq.request_id]
-        self._streams.pop(seq.request_id)
+        self._seqs.pop(seq.request_id, None)
+        self._streams.pop(seq.request_id, None)
         return RequestOutput(seq.request_id, [], text, True, seq.finish_reason, seq.usage())
 
     def step(self) -> list[RequestOutput]:
@@ -181,21 +197,84 @@ class EngineCore:
             if self.scheduler.waiting:
                 time.sleep(0.001)      # only prefetching requests wait; let the worker run
             return []
-        t0 = time.perf_counter()
-        result = self.runner.execute(batch, self.pool.layout.page_size)
-        if self.tiers is not None:
-            prefill = sum(len(e.token_ids) for e in batch.seqs if len(e.token_ids) > 1)
-            self.tiers.observe_prefill(prefill, time.perf_counter() - t0)
+        sampled, failed = self._execute(batch)
         outputs = []
-        for entry in batch.seqs:
+        for entry in batch.seqs:       # a failed entry's state is left exactly as scheduled
             seq = self._seqs[entry.request_id]
+            if entry.request_id in failed:
+                continue
             seq.num_computed += len(entry.token_ids)
             if entry.sample:
                 if seq.num_output == 0:
                     # Prompt done: share its pages with requests that arrive meanwhile.
                     self.scheduler.cache_computed(seq)
-                outputs.append(self._on_token(seq, result.sampled[entry.request_id]))
+                outputs.append(self._emit_token(seq, sampled[entry.request_id]))
+        for rid, why in failed.items():
+            out = self._on_fault(self._seqs[rid], why)
+            if out is not None:
+                outputs.append(out)
         return outputs
+
+    def _execute(self, batch) -> tuple[dict[str, int], dict[str, str]]:
+        """Run ``batch``: ``(request id -> token, request id -> why it failed)``.
+
+        A failed step is re-run without its culprits (faults.StepIsolator).
+        Raises DeviceFaultError when the device is broken, or when
+        ``max_fault_streak`` requests failed in a row with none running cleanly.
+        """
+        t0 = time.perf_counter()
+        try:
+            result = self.runner.execute(batch, self.pool.layout.page_size)
+        except Exception as exc:  # noqa: BLE001 - classified: device fault or isolated culprit
+            if is_device_fault(exc):
+                raise DeviceFaultError(f"device fault in an engine step: {describe(exc)}") from exc
+            log.warning("an engine step of %d requests failed (%s); isolating the culprit",
+                        len(batch.seqs), describe(exc))
+            iso = self.isolator.isolate(batch.seqs, exc)
+            self._count_faults(iso.failed, iso.any_ok)
+            return iso.sampled, iso.failed
+        if self.tiers is not None:
+            prefill = sum(len(e.token_ids) for e in batch.seqs if len(e.token_ids) > 1)
+            self.tiers.observe_prefill(prefill, time.perf_counter() - t0)
+        self._count_faults(result.failed, len(result.failed) < len(batch.seqs))
+        return result.sampled, result.failed
+
+    def _count_faults(self, failed: dict[str, str], any_ok: bool) -> None:
+        if any_ok:
+            self.fault_streak = 0
+        self.fault_streak += len(failed)
+        self.num_request_faults += len(failed)
+        if failed and self.fault_streak >= self.max_fault_streak:
+            raise DeviceFaultError(
+                f"{self.fault_streak} requests failed in a row and no step ran a request "
+                f"cleanly meanwhile; the engine is unusable (last: {next(iter(failed.values()))})")
+
+    def _on_fault(self, seq: Sequence, why: str) -> RequestOutput | None:
+        """A step failed for ``seq`` alone: recompute it once without cached pages if it
+        reused any (they may be the poison), else end it with a RequestFaultError."""
+        seq.num_faults += 1
+        dropped = self.scheduler.drop_from_cache(seq)
+        if seq.reused_tokens and seq.num_faults <= MAX_RECOMPUTES:
+            log.warning("%s failed in a step (%s) on %d reused tokens; dropped %d pages from the "
+                        "prefix cache, recomputing it", seq.request_id, why, seq.reused_tokens,
+                        len(dropped))
+            self.num_fault_recomputes += 1
+            self.scheduler.requeue(seq)
+            return None
+        log.warning("%s failed in a step (%s); ending it alone", seq.request_id, why)
+        return self._fail(seq, f"the engine could not run this request: {why}",
+                          RequestFaultError.__name__)
+
+    def _emit_token(self, seq: Sequence, token: int) -> RequestOutput:
+        """``_on_token``, failing only this request if its text handling raises."""
+        try:
+            return self._on_token(seq, token)
+        except Exception as exc:  # noqa: BLE001 - one request's bug must not end the others
+            if is_device_fault(exc):
+                raise
+            log.exception("%s: handling its token failed", seq.request_id)
+            return self._fail(seq, f"the engine could not run this request: {describe(exc)}",
+                              RequestFaultError.__name__)
 
     def _on_token(self, seq: Sequence, token: int) -> RequestOutput:
         seq.token_ids.append(token)

@@ -113,6 +113,7 @@ class Handoff:
         seq = core._seqs[req.request_id]
         core.scheduler.waiting.remove(seq)
         seq.pages, seq.num_computed = res.pages, res.num_tokens
+        seq.reused_tokens = res.num_tokens       # none of it computed here: a fault recomputes it
         seq.status, seq.admitted = SeqStatus.RUNNING, True
         seq.cached_tokens = len(res.prefix_pages) * core.pool.layout.page_size
         core.scheduler.running.append(seq)

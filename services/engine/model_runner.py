@@ -78,10 +78,22 @@ class ModelRunner:
         return self.model.compute_logits(hidden[torch.tensor(last, device=self.device)])
 
     def _sample(self, picked: list[ScheduledSeq], logits: torch.Tensor) -> WorkerOutput:
+        """One token per row of ``logits`` ``[len(picked), vocab]`` float32.
+
+        A row holding NaN or inf (its request's input or cached pages went bad) is
+        not sampled: it is reported in ``WorkerOutput.failed``. The check costs no
+        extra device sync: bad rows are zeroed before sampling and marked -1 in
+        the one token transfer.
+        """
         gens = []
         for s in picked:
             if s.request_id not in self._generators:
                 self._generators[s.request_id] = make_generator(s.sampling.seed, self.device)
             gens.append(self._generators[s.request_id])
-        tokens = sample(logits, [s.sampling for s in picked], gens).tolist()
-        return WorkerOutput({s.request_id: t for s, t in zip(picked, tokens)})
+        bad = ~torch.isfinite(logits).all(dim=-1)
+        clean = logits.masked_fill(bad.unsqueeze(1), 0.0)
+        tokens = sample(clean, [s.sampling for s in picked], gens).masked_fill(bad, -1).tolist()
+        sampled = {s.request_id: t for s, t in zip(picked, tokens) if t >= 0}
+        failed = {s.request_id: "non-finite logits (NaN or inf)"
+                  for s, t in zip(picked, tokens) if t < 0}
+        return WorkerOutput(sampled, failed)

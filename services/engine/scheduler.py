@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from typing import Callable
 
 from nibble.tiering import KVPool, PageId
 from nibble.tiering.radix_cache import RadixCache
@@ -47,6 +48,8 @@ class Scheduler:
         self.num_preemptions = 0                      # totals, for metrics and tests
         self.prompt_tokens_admitted = 0
         self.cached_tokens_admitted = 0
+        # Called with a request id when the request first gets a running slot (admission gate).
+        self.on_start: Callable[[str], None] | None = None
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -76,9 +79,11 @@ class Scheduler:
             if self.tiers is not None:
                 self.tiers.on_cached(seq.namespace, tokens, seq.pages[:full])
 
-    def release(self, seq: Sequence) -> None:
-        """Cache what is reusable, then drop the sequence's page references, tail first."""
-        self.cache_computed(seq)
+    def release(self, seq: Sequence, cache: bool = True) -> None:
+        """Cache what is reusable (unless ``cache`` is False), then drop the sequence's page
+        references, tail first."""
+        if cache:
+            self.cache_computed(seq)
         if seq.pages:
             self.pool.free(list(reversed(seq.pages)))
             seq.pages = []
@@ -108,7 +113,7 @@ class Scheduler:
 
     def _match(self, seq: Sequence) -> list[PageId]:
         """Longest cached prefix of ``seq`` (at least one token is left to compute)."""
-        if self.cache is None:
+        if self.cache is None or seq.no_reuse:
             return []
         limit = (len(seq.token_ids) - 1) // self.page_size
         return self.cache.match(seq.token_ids, seq.namespace, max_pages=limit).pages
@@ -126,7 +131,7 @@ class Scheduler:
         """
         hit = self._match(seq)
         limit = (len(seq.token_ids) - 1) // self.page_size
-        tiers = self.tiers if self.cache is not None else None
+        tiers = self.tiers if self.cache is not None and not seq.no_reuse else None
         if tiers is not None and not tiers.prepare(seq.request_id, seq.namespace, seq.token_ids,
                                                    len(hit), limit):
             return None
@@ -140,7 +145,7 @@ class Scheduler:
             room = int(self.pool.allocator.num_free - self._reserve())
             lower = tiers.load(seq.request_id, seq.namespace, seq.token_ids, hit, limit, room)
             seq.pages += lower.pages
-        seq.num_computed = len(seq.pages) * self.page_size
+        seq.num_computed = seq.reused_tokens = len(seq.pages) * self.page_size
         n = min(seq.remaining, self.cfg.chunked_prefill_size, budget)
         if self._future_pages(seq) > self.pool.allocator.num_free - self._reserve() or \
                 not self._grow(seq, n):
@@ -155,13 +160,15 @@ class Scheduler:
                                       "l3": lower.from_l3 * ps}
             self.prompt_tokens_admitted += seq.num_prompt
             self.cached_tokens_admitted += seq.cached_tokens
+            if self.on_start is not None:
+                self.on_start(seq.request_id)
         return n
 
     def release_hit(self, seq: Sequence) -> None:
         """Undo a failed admission: unlock the matched pages without caching anything new."""
         if seq.pages:
             self.pool.free(list(reversed(seq.pages)))
-        seq.pages, seq.num_computed = [], 0
+        seq.pages, seq.num_computed, seq.reused_tokens = [], 0, 0
 
     def _entry(self, seq: Sequence, n: int) -> ScheduledSeq:
         start = seq.num_computed
@@ -206,16 +213,52 @@ class Scheduler:
             budget -= n
         return ScheduledBatch(out)
 
-    def remove(self, seq: Sequence) -> None:
-        """Take a finished or aborted sequence out, cache its pages and drop its references."""
+    def remove(self, seq: Sequence, cache: bool = True) -> None:
+        """Take a finished or aborted sequence out, cache its pages (unless ``cache`` is
+        False) and drop its references."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.release(seq)
+        self.release(seq, cache)
         if self.tiers is not None:
             self.tiers.cancel(seq.request_id)
         seq.status = SeqStatus.FINISHED
+
+    # ---- faults ----
+    def drop_from_cache(self, seq: Sequence) -> list[PageId]:
+        """Forget every cached page ``seq`` holds, and what hangs below it, in L1 and L2.
+
+        Called when a step failed for ``seq``: its pages may be the poison, so no
+        later request may match them. Refcounts are untouched (requests holding
+        them keep them until they finish or fail on their own). Returns the
+        pages dropped from the tree.
+        """
+        dropped: list[PageId] = []
+        if self.cache is not None:
+            for page in seq.pages:
+                dropped += self.cache.evict_page(page)
+        if self.tiers is not None and dropped:
+            self.tiers.discard(dropped)
+        return dropped
+
+    def requeue(self, seq: Sequence) -> None:
+        """Recompute ``seq`` from its first token without reusing any cached page.
+
+        Its pages are freed without being cached; it goes to the head of the
+        queue and keeps the tokens it has already streamed.
+        """
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.release(seq, cache=False)
+        if self.tiers is not None:
+            self.tiers.cancel(seq.request_id)
+        seq.num_computed = seq.reused_tokens = 0
+        seq.no_reuse = True
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
 
     def flush_cache(self) -> bool:
         """Forget the prefix cache; refused (False) while any request is running or queued."""

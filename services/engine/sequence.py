@@ -36,6 +36,10 @@ class Sequence:
     cached_by_tier: dict[str, int] | None = None  # cached_tokens split l1/l2/l3 (tiers on)
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    reused_tokens: int = 0                 # tokens of this run whose KV came from elsewhere (prefix
+                                           # cache, L2/L3, a prefill worker), not computed here
+    num_faults: int = 0                    # steps this request failed in (fault isolation)
+    no_reuse: bool = False                 # recompute without any cached page (after a fault)
 
     @property
     def request_id(self) -> str:

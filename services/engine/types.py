@@ -67,6 +67,9 @@ class RequestOutput:
     finish_reason: FinishReason | None
     usage: Usage
     error: str | None = None               # set when the request failed inside the engine
+    error_type: str | None = None          # that failure's exception class name (services.errors),
+                                           # e.g. RequestFaultError (this request alone) or
+                                           # DeviceFaultError (the engine is dead)
 
 
 @dataclass(frozen=True)
@@ -98,3 +101,5 @@ class WorkerOutput:
     """The model runner's result for one ScheduledBatch."""
 
     sampled: dict[str, int]                # request_id -> new token, for seqs with sample=True
+    failed: dict[str, str] = field(default_factory=dict)  # request_id -> why its row was unusable
+                                           # (non-finite logits); such a request has no token

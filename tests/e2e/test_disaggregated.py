@@ -104,6 +104,29 @@ def _ray(server):
     return ray
 
 
+def test_the_kv_secret_is_in_no_ray_log_and_no_runtime_env(server):
+    """Issue 14, finding 4c: the old gateway passed the transfer secret in the Ray
+    runtime_env, which Ray writes to logs/runtime_env_agent.log (mode 0644). Now the
+    actors read it from a private file the gateway wrote for this local cluster."""
+    import stat
+    from pathlib import Path
+
+    path = Path(server.info()["config"]["cache"]["kv_secret_file"])
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    secret = path.read_bytes().strip()
+    assert len(secret) >= 32
+    ray = _ray(server)
+    session = Path(ray._private.worker._global_node.get_session_dir_path())
+    files = [p for p in session.rglob("*") if p.is_file() and not p.is_symlink()]
+    assert files, f"nothing under {session}"
+    leaks = [str(p) for p in files if secret in p.read_bytes()]
+    assert leaks == []
+    from ray.util.state import list_actors, list_jobs
+    seen = repr(list_actors(detail=True)) + repr(list_jobs())
+    assert secret.decode() not in seen
+
+
 LONG = {"messages": [{"role": "user", "content": "Tell me a long story about a lighthouse. " * 60}],
         "max_tokens": 64, "temperature": 0, "ignore_eos": True}
 

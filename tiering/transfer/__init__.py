@@ -11,21 +11,22 @@ transport module for its wire details and security model.
 """
 
 from . import grpc_transport, nixl_transport  # noqa: F401  (register "grpc" and "nixl")
-from .base import (SECRET_ENV, KVTransport, TransferHandle, TransferState, TransferStatus,
+from .base import (KVTransport, TransferHandle, TransferState, TransferStatus,
                    create_transport, register_transport, transport_names)
 from .checksum import page_set_checksum
 from .errors import (EndpointError, TicketError, TransferArgumentError, TransferError,
                      TransportUnavailableError)
 from .nixl_transport import load_nixl
-from .signing import sign_ticket, verify_ticket
+from .signing import checksum_tag, sign_ticket, verify_checksum_tag, verify_ticket
 from .tickets import (CompletedTransfer, RejectedTransfer, RejectReason, TicketBook,
                       TransferTicket, make_ticket)
 
 __all__ = [
-    "SECRET_ENV", "KVTransport", "TransferHandle", "TransferState", "TransferStatus",
+    "KVTransport", "TransferHandle", "TransferState", "TransferStatus",
     "create_transport", "register_transport", "transport_names", "page_set_checksum",
     "EndpointError", "TicketError", "TransferArgumentError", "TransferError",
-    "TransportUnavailableError", "load_nixl", "sign_ticket", "verify_ticket",
+    "TransportUnavailableError", "load_nixl", "sign_ticket", "verify_ticket", "checksum_tag",
+    "verify_checksum_tag",
     "CompletedTransfer", "RejectedTransfer", "RejectReason", "TicketBook", "TransferTicket",
     "make_ticket",
 ]

@@ -14,7 +14,10 @@ bytes). Every instance can both send and receive:
   ticket are zeroed (the data that may have landed is discarded).
 * sender: ``attach(pool)``, ``write_pages(peer_endpoint, ticket, src_pages)``
   (non-blocking), ``poll(handle)`` until ``success`` or ``failed``. The source
-  pages must not change until then.
+  pages must not change until then. Every write carries the page-set checksum
+  of its source pages and the checksum tag (``signing.checksum_tag``) that binds
+  it to the ticket; the receiver refuses a checksum whose tag does not verify,
+  and by default (``require_checksum``) a write without one.
 
 Runtime failures (peer gone, refused ticket, deadline) end as a ``failed``
 status, never an exception out of ``poll``; ``write_pages`` raises only for
@@ -26,7 +29,6 @@ from __future__ import annotations
 
 import abc
 import enum
-import os
 import secrets
 import time
 from dataclasses import dataclass
@@ -37,11 +39,10 @@ import torch
 from . import signing
 from .endpoint import Endpoint, decode_endpoint
 from ..registry import ClassRegistry
-from .errors import TransferArgumentError
-from .tickets import CompletedTransfer, RejectedTransfer, TicketBook, TransferTicket
-
-
-SECRET_ENV = "NIBBLE_KV_SECRET"
+from .checksum import page_set_checksum
+from .errors import TicketError, TransferArgumentError
+from .tickets import (CompletedTransfer, RejectedTransfer, RejectReason, TicketBook,
+                      TransferTicket)
 
 
 class TransferState(str, enum.Enum):
@@ -87,18 +88,22 @@ class TransferHandle:
 class KVTransport(abc.ABC):
     """Moves whole pages from this worker's pool into a peer's reserved pages.
 
-    Options common to every transport: ``secret`` (shared HMAC key, >= 16
-    bytes; default ``$NIBBLE_KV_SECRET``), ``grace_s`` (slack after a ticket
-    deadline before a sender gives up and a receiver expires the ticket;
-    default 2 s).
+    Options common to every transport: ``secret`` (the shared HMAC key, >= 16
+    bytes, required: the deployment's ``KVSecret.derive("transfer")``; nothing
+    is read from the environment), ``grace_s`` (slack after a ticket deadline
+    before a sender gives up and a receiver expires the ticket; default 2 s),
+    ``require_checksum`` (refuse a write that carries no signed page-set
+    checksum; default True).
     """
 
     name: ClassVar[str] = ""
 
-    def __init__(self, *, secret: bytes | str | None = None, grace_s: float = 2.0):
-        secret = os.environ.get(SECRET_ENV) if secret is None else secret
+    def __init__(self, *, secret: bytes | str | None = None, grace_s: float = 2.0,
+                 require_checksum: bool = True):
         if not secret:
-            raise TransferArgumentError(f"no transfer secret: pass secret= or set {SECRET_ENV}")
+            raise TransferArgumentError("no transfer secret: pass secret= (the deployment's "
+                                        "KVSecret.derive('transfer'))")
+        self.require_checksum = bool(require_checksum)
         try:
             self.secret = signing.as_secret(secret)
         except ValueError as e:
@@ -194,6 +199,25 @@ class KVTransport(abc.ABC):
             idx = torch.as_tensor(list(pages), dtype=torch.long, device=self.pool.device)
             self.pool.index_fill_(0, idx, 0)
 
+    def _check_seal(self, ticket: TransferTicket, checksum: str | None, tag: bytes | None
+                    ) -> TicketError | None:
+        """Receiver: the refusal for a write whose checksum is unsigned, wrongly signed or
+        (under ``require_checksum``) missing; None when it may proceed."""
+        if checksum:
+            if not signing.verify_checksum_tag(self.secret, ticket, checksum, tag or b""):
+                return TicketError(RejectReason.SIGNATURE, "the page-set checksum is not signed "
+                                   f"for ticket {ticket.ticket_id} with the shared secret")
+        elif self.require_checksum:
+            return TicketError(RejectReason.INVALID, "the write carries no page-set checksum")
+        return None
+
+    def _seal(self, ticket: TransferTicket, src: list[int], checksum: str | None
+              ) -> tuple[str, bytes]:
+        """Sender: the checksum of ``src`` (computed unless given) and its tag for ``ticket``."""
+        if not checksum:
+            checksum = page_set_checksum(self.pool, src)
+        return checksum, signing.checksum_tag(self.secret, ticket, checksum)
+
     def _attached_book(self) -> TicketBook:
         if self.book is None:
             raise TransferArgumentError("attach(pool) first")
@@ -205,8 +229,9 @@ class KVTransport(abc.ABC):
                     checksum: str | None = None) -> TransferHandle:
         """Start copying our ``src_pages[i]`` into the peer's ``ticket.dst_pages[i]``.
 
-        ``checksum`` (``page_set_checksum`` of the source pages), when given,
-        is verified by the receiver before it reports the transfer as received.
+        ``checksum`` (``page_set_checksum`` of the source pages; computed here
+        when not given) is sent with its tag and verified by the receiver
+        before it reports the transfer as received.
         """
 
     @abc.abstractmethod

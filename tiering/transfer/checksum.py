@@ -2,8 +2,11 @@
 
 A transfer's completion message carries the checksum of the source pages; the
 receiver recomputes it over the pages it reserved, so equal checksums mean the
-reserved pages hold exactly the bytes that were sent (authentication is the
-signed ticket's job, not this one's).
+reserved pages hold exactly the bytes that were sent. Authentication is the job
+of the signed ticket and of the checksum tag that binds this checksum to it
+(``signing.checksum_tag``). The sums use fixed public multipliers: this detects
+corruption and substitution of a whole page set, not bytes crafted to collide by
+someone on the channel (TLS keeps them off it).
 
 The checksum is computed on the pool's device, so a 32K-token request's
 1.4 GB of NVFP4 pages is never copied to the host: each page is cut into

@@ -13,15 +13,32 @@ Flow control is gRPC's (HTTP/2 windows; the request iterator is pulled only as
 fast as the channel drains), with the chunk size bounding memory per stream.
 Message size limits are set explicitly on both sides.
 
-Options: ``secret``, ``grace_s`` (see KVTransport), ``address``,
-``advertise`` (the address peers dial, default the bound one),
-``chunk_bytes`` (what this sender sends), ``max_chunk_bytes`` (the largest
-chunk this receiver accepts, default 4 MiB), ``server_threads`` (concurrent
-incoming streams, default 4).
+The first message also carries the page-set checksum and its tag (an HMAC
+binding it to the ticket, ``signing.checksum_tag``): a tag that does not verify
+is refused (PERMISSION_DENIED) before any byte lands, and the checksum is
+checked once every byte has.
+
+Network exposure: the server binds exactly ``address``. With
+``loopback_only`` (a single-node deployment) any other interface is refused.
+With ``ssl_certfile``/``ssl_keyfile``/``ssl_ca_certs`` the channel is mutual
+TLS: the server asks every sender for a certificate signed by the CA, and a
+sender accepts only a receiver whose certificate the CA signed for the name
+``ssl_target_name`` (default ``nibble-kv-transfer``, a SAN every worker's
+certificate must carry, since workers are dialled by IP address); a TLS
+transport neither serves nor dials plaintext.
+
+Options: ``secret``, ``grace_s``, ``require_checksum`` (see KVTransport),
+``address``, ``advertise`` (the address peers dial, default the bound one),
+``advertise_host`` (advertise this host with the bound port, for a wildcard
+bind), ``loopback_only``, ``ssl_certfile``, ``ssl_keyfile``, ``ssl_ca_certs``,
+``ssl_target_name``, ``chunk_bytes`` (what this sender sends),
+``max_chunk_bytes`` (the largest chunk this receiver accepts, default 4 MiB),
+``server_threads`` (concurrent incoming streams, default 4).
 """
 
 from __future__ import annotations
 
+import ipaddress
 import time
 from concurrent import futures
 from typing import Iterator, Sequence
@@ -40,6 +57,7 @@ from .errors import TicketError, TransferArgumentError, TransportUnavailableErro
 from .tickets import RejectReason, TransferTicket
 
 DEFAULT_CHUNK_BYTES = 1 << 20
+TLS_TARGET_NAME = "nibble-kv-transfer"
 DEFAULT_MAX_CHUNK_BYTES = 4 << 20
 _HEADER_ROOM = 1 << 20  # the first message's ticket: 4-5 bytes per page id
 
@@ -63,6 +81,39 @@ def ticket_to_proto(t: TransferTicket) -> pb.TransferTicket:
 def ticket_from_proto(m: pb.TransferTicket) -> TransferTicket:
     return TransferTicket(m.request_id, m.ticket_id, tuple(m.dst_pages), m.page_nbytes,
                           m.deadline, bytes(m.signature))
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a name or an address, IPv6 maybe in brackets) is a loopback one."""
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def load_tls(certfile: str | None, keyfile: str | None, ca_certs: str | None
+             ) -> tuple[bytes, bytes, bytes] | None:
+    """``(key, cert chain, CA)`` PEM bytes for mutual TLS, or None when no file is given.
+
+    Raises TransferArgumentError when only some are given or one is unreadable.
+    """
+    given = (certfile, keyfile, ca_certs)
+    if not any(given):
+        return None
+    if not all(given):
+        raise TransferArgumentError("TLS on the transfer channel needs a certificate, its key "
+                                    "and the CA that signs every worker's certificate")
+    out = []
+    for path in (keyfile, certfile, ca_certs):
+        try:
+            with open(path, "rb") as f:
+                out.append(f.read())
+        except OSError as e:
+            raise TransferArgumentError(f"cannot read {path}: {e.strerror or e}") from None
+    return out[0], out[1], out[2]
 
 
 class _PageWriter:
@@ -120,6 +171,11 @@ class _Servicer(pb_grpc.KVTransferServicer):
             tr.book.refuse("", "", RejectReason.INVALID, "the first message carries no ticket")
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message must be the ticket")
         ticket = ticket_from_proto(first.ticket)
+        refusal = tr._check_seal(ticket, first.checksum, first.checksum_tag)
+        if refusal is not None:        # before any byte lands: the real ticket stays valid
+            reason = RejectReason(refusal.reason)
+            tr.book.refuse(ticket.ticket_id, ticket.request_id, reason, refusal.detail)
+            context.abort(_CODES[reason], str(refusal))
         try:
             entry = tr.book.admit(ticket)
         except TicketError as e:
@@ -154,13 +210,23 @@ class GrpcTransport(KVTransport):
     """KV pages over a gRPC client stream (see the module docstring for options)."""
 
     def __init__(self, *, secret: bytes | str | None = None, grace_s: float = 2.0,
-                 address: str = "127.0.0.1:0", advertise: str | None = None,
+                 require_checksum: bool = True, address: str = "127.0.0.1:0",
+                 advertise: str | None = None, advertise_host: str | None = None,
+                 loopback_only: bool = False, ssl_certfile: str | None = None,
+                 ssl_keyfile: str | None = None, ssl_ca_certs: str | None = None,
+                 ssl_target_name: str = TLS_TARGET_NAME,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES, server_threads: int = 4):
-        super().__init__(secret=secret, grace_s=grace_s)
+        super().__init__(secret=secret, grace_s=grace_s, require_checksum=require_checksum)
         if chunk_bytes <= 0 or max_chunk_bytes <= 0:
             raise TransferArgumentError("chunk sizes must be positive")
-        self.address, self.advertise = address, advertise
+        if loopback_only and not is_loopback(address.rsplit(":", 1)[0]):
+            raise TransferArgumentError(
+                f"refusing to bind the KV-transfer server to {address}: this is a single-node "
+                f"deployment, whose transfer ports stay on loopback")
+        self.tls = load_tls(ssl_certfile, ssl_keyfile, ssl_ca_certs)
+        self.ssl_target_name = ssl_target_name
+        self.address, self.advertise, self.advertise_host = address, advertise, advertise_host
         self.chunk_bytes, self.max_chunk_bytes = int(chunk_bytes), int(max_chunk_bytes)
         self.server_threads = int(server_threads)
         self._server: grpc.Server | None = None
@@ -173,14 +239,19 @@ class GrpcTransport(KVTransport):
                      ("grpc.max_send_message_length", 64 << 10)])
         pb_grpc.add_KVTransferServicer_to_server(_Servicer(self), server)
         try:
-            port = server.add_insecure_port(self.address)
+            if self.tls is None:
+                port = server.add_insecure_port(self.address)
+            else:
+                key, cert, ca = self.tls
+                port = server.add_secure_port(self.address, grpc.ssl_server_credentials(
+                    [(key, cert)], root_certificates=ca, require_client_auth=True))
         except RuntimeError as e:
             raise TransportUnavailableError(f"cannot bind {self.address}: {e}") from None
         if not port:
             raise TransportUnavailableError(f"cannot bind {self.address}")
         server.start()
         self._server = server
-        host = self.address.rsplit(":", 1)[0]
+        host = self.advertise_host or self.address.rsplit(":", 1)[0]
         host = "127.0.0.1" if host in ("", "0.0.0.0", "[::]") else host
         self.advertise = self.advertise or f"{host}:{port}"
 
@@ -188,32 +259,46 @@ class GrpcTransport(KVTransport):
         if self._server is None:
             raise TransferArgumentError("attach(pool) first")
         return Endpoint(self.name, self._endpoint_id, self.num_pages, self.page_nbytes,
-                        {"address": self.advertise, "max_chunk": self.max_chunk_bytes}
-                        ).encode(self.secret)
+                        {"address": self.advertise, "max_chunk": self.max_chunk_bytes,
+                         "tls": self.tls is not None}).encode(self.secret)
 
     def _stub(self, address: str) -> pb_grpc.KVTransferStub:
         if address not in self._channels:
             limit = self.chunk_bytes + _HEADER_ROOM
-            ch = grpc.insecure_channel(address, options=[
-                ("grpc.max_send_message_length", limit),
-                ("grpc.max_receive_message_length", 64 << 10)])
+            opts = [("grpc.max_send_message_length", limit),
+                    ("grpc.max_receive_message_length", 64 << 10)]
+            if self.tls is None:
+                ch = grpc.insecure_channel(address, options=opts)
+            else:
+                key, cert, ca = self.tls
+                creds = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key,
+                                                     certificate_chain=cert)
+                ch = grpc.secure_channel(address, creds, options=opts + [
+                    ("grpc.ssl_target_name_override", self.ssl_target_name)])
             self._channels[address] = (ch, pb_grpc.KVTransferStub(ch))
         return self._channels[address][1]
 
     def write_pages(self, peer_endpoint: bytes, ticket: TransferTicket, src_pages: Sequence[int],
                     checksum: str | None = None) -> TransferHandle:
         peer, src, handle = self._start(peer_endpoint, ticket, src_pages)
+        if bool(peer.fields.get("tls")) != (self.tls is not None):
+            raise TransferArgumentError(
+                f"the peer {'requires' if peer.fields.get('tls') else 'does not speak'} TLS on "
+                f"the transfer channel and this worker is configured "
+                f"{'with' if self.tls else 'without'} it")
         chunk = min(self.chunk_bytes, int(peer.fields["max_chunk"]))
         stub = self._stub(str(peer.fields["address"]))
         timeout = max(0.001, handle.give_up_at - time.monotonic())
-        handle.impl = stub.WritePages.future(self._chunks(ticket, src, checksum, chunk),
+        checksum, tag = self._seal(ticket, src, checksum)
+        handle.impl = stub.WritePages.future(self._chunks(ticket, src, checksum, tag, chunk),
                                              timeout=timeout)
         return handle
 
-    def _chunks(self, ticket: TransferTicket, src: list[int], checksum: str | None, chunk: int
-                ) -> Iterator[pb.PageChunk]:
-        """The ticket, then the source pages as one byte stream in chunks of ``chunk`` bytes."""
-        yield pb.PageChunk(ticket=ticket_to_proto(ticket), checksum=checksum or "")
+    def _chunks(self, ticket: TransferTicket, src: list[int], checksum: str, tag: bytes,
+                chunk: int) -> Iterator[pb.PageChunk]:
+        """The ticket with the signed checksum, then the source pages as one byte stream in
+        chunks of ``chunk`` bytes."""
+        yield pb.PageChunk(ticket=ticket_to_proto(ticket), checksum=checksum, checksum_tag=tag)
         pn, parts, size, start = self.page_nbytes, [], 0, 0
         for p in src:
             view, off = page_bytes(self.pool, p), 0

@@ -7,14 +7,16 @@ metadata and the pool's base address; a sender loads it once per peer
 (``add_remote_agent``) and prepares the peer's per-page descriptor list, so a
 transfer is ``make_prepped_xfer("WRITE", local, src_pages, remote, dst_pages)``
 plus ``transfer``. The transfer's notification message carries the signed
-ticket (and the optional checksum); NIXL delivers it after the data.
+ticket, the page-set checksum and the checksum tag that binds it to the ticket
+(``signing.checksum_tag``); NIXL delivers it after the data.
 
 Security, and why it differs from gRPC: an RDMA WRITE cannot be refused
 mid-flight, and a peer that holds this worker's endpoint can write anywhere in
 the registered pool. The HMAC therefore guards *installation*: the receiver
 only accepts notifications for tickets it issued itself, signed for its
-endpoint id with the shared secret, before their deadline, with a matching
-checksum when one is sent. Anything else is reported by ``rejected()``, and if
+endpoint id with the shared secret, before their deadline, with a checksum
+signed for that ticket (required unless ``require_checksum`` is off) that
+matches the pages. Anything else is reported by ``rejected()``, and if
 it names a ticket this receiver issued, that ticket is closed and its reserved
 pages are zeroed (the data is discarded, never installed). Endpoints are
 signed too, and must travel only between Nibble workers. A write still in
@@ -106,16 +108,17 @@ def _nixl_errors(mod: Any) -> tuple[type[BaseException], ...]:
     return tuple(found) + (RuntimeError,)
 
 
-def encode_notif(ticket: TransferTicket, checksum: str | None) -> bytes:
+def encode_notif(ticket: TransferTicket, checksum: str | None, tag: bytes = b"") -> bytes:
     return _NOTIF_MAGIC + json.dumps({
         "request_id": ticket.request_id, "ticket_id": ticket.ticket_id,
         "dst_pages": list(ticket.dst_pages), "page_nbytes": ticket.page_nbytes,
         "deadline": ticket.deadline, "signature": ticket.signature.hex(),
-        "checksum": checksum}, separators=(",", ":")).encode()
+        "checksum": checksum, "checksum_tag": tag.hex()}, separators=(",", ":")).encode()
 
 
-def decode_notif(msg: bytes) -> tuple[TransferTicket, str | None]:
-    """The ticket and checksum of a completion notification; raises TicketError(INVALID)."""
+def decode_notif(msg: bytes) -> tuple[TransferTicket, str | None, bytes]:
+    """The ticket, checksum and checksum tag of a completion notification; raises
+    TicketError(INVALID)."""
     if not msg.startswith(_NOTIF_MAGIC):
         raise TicketError(RejectReason.INVALID, "not a Nibble completion notification")
     try:
@@ -123,7 +126,8 @@ def decode_notif(msg: bytes) -> tuple[TransferTicket, str | None]:
         ticket = TransferTicket(str(d["request_id"]), str(d["ticket_id"]),
                                 tuple(int(p) for p in d["dst_pages"]), int(d["page_nbytes"]),
                                 float(d["deadline"]), bytes.fromhex(d["signature"]))
-        return ticket, (str(d["checksum"]) if d.get("checksum") else None)
+        return (ticket, (str(d["checksum"]) if d.get("checksum") else None),
+                bytes.fromhex(str(d.get("checksum_tag") or "")))
     except (ValueError, KeyError, TypeError) as e:
         raise TicketError(RejectReason.INVALID, f"unreadable notification: {e}") from None
 
@@ -139,9 +143,9 @@ class NixlTransport(KVTransport):
     """KV pages by NIXL WRITE (see the module docstring for options and the security model)."""
 
     def __init__(self, *, secret: bytes | str | None = None, grace_s: float = 2.0,
-                 backends: Sequence[str] = ("UCX",), num_threads: int = 0,
-                 progress_delay: int = 100):
-        super().__init__(secret=secret, grace_s=grace_s)
+                 require_checksum: bool = True, backends: Sequence[str] = ("UCX",),
+                 num_threads: int = 0, progress_delay: int = 100):
+        super().__init__(secret=secret, grace_s=grace_s, require_checksum=require_checksum)
         self._nixl = load_nixl()
         self._errors = _nixl_errors(self._nixl)
         self._lock = threading.RLock()  # agent calls are not thread safe in NIXL's default mode
@@ -201,13 +205,14 @@ class NixlTransport(KVTransport):
     def write_pages(self, peer_endpoint: bytes, ticket: TransferTicket, src_pages: Sequence[int],
                     checksum: str | None = None) -> TransferHandle:
         peer, src, handle = self._start(peer_endpoint, ticket, src_pages)
+        checksum, tag = self._seal(ticket, src, checksum)
         try:
             with self._lock:
                 remote = self._remote(peer)
                 handle.impl = self._agent.make_prepped_xfer(
                     "WRITE", self._local, np.asarray(src, dtype=np.int32), remote.dlist,
                     np.asarray(ticket.dst_pages, dtype=np.int32),
-                    notif_msg=encode_notif(ticket, checksum))
+                    notif_msg=encode_notif(ticket, checksum, tag))
                 state = self._agent.transfer(handle.impl)
         except self._errors as e:
             state = f"{type(e).__name__}: {e}"
@@ -264,7 +269,7 @@ class NixlTransport(KVTransport):
     def _on_notif(self, msg: bytes) -> None:
         book = self.book
         try:
-            ticket, checksum = decode_notif(msg)
+            ticket, checksum, tag = decode_notif(msg)
         except TicketError as e:
             book.refuse("", "", RejectReason.INVALID, e.detail)
             return
@@ -272,6 +277,10 @@ class NixlTransport(KVTransport):
             book.admit(ticket, close_on_refusal=True)  # data may have landed: discard it
         except TicketError:
             return  # recorded by the book
+        refusal = self._check_seal(ticket, checksum, tag)
+        if refusal is not None:
+            book.close(ticket.ticket_id, RejectReason(refusal.reason), refusal.detail)
+            return
         if checksum and page_set_checksum(self.pool, ticket.dst_pages) != checksum:
             book.close(ticket.ticket_id, RejectReason.CHECKSUM, "page-set checksum mismatch")
             return

@@ -1,9 +1,20 @@
-"""HMAC-SHA256 signatures for transfer tickets and endpoints (a shared secret).
+"""HMAC-SHA256 signatures for transfer tickets, page-set checksums and endpoints.
+
+The key is the deployment's transfer key (``KVSecret.derive("transfer")``).
 
 A ticket's signature covers ``(request_id, ticket_id, dst_pages, page_nbytes,
 deadline, receiver_id)`` in a canonical JSON encoding, so a ticket issued by
 one receiver cannot be replayed against another, and no field can change
-without the signature breaking. Comparisons are constant time.
+without the signature breaking.
+
+The receiver issues a ticket before the pages exist, so the page-set checksum
+cannot be in it. The sender binds it afterwards: the *checksum tag* is an HMAC
+over ``(ticket_id, ticket signature, checksum)``. It travels with the checksum
+(in band to the receiving transport, and through the router to the decode
+worker), and both check it before trusting the checksum: someone who can inject
+into the transfer channel cannot swap pages and checksum together, and a
+(checksum, tag) pair of one transfer does not verify for any other ticket.
+Comparisons are constant time.
 """
 
 from __future__ import annotations
@@ -17,6 +28,7 @@ from typing import Protocol, Sequence, TypeVar
 MIN_SECRET_BYTES = 16
 _TICKET_DOMAIN = "nibble-kv-ticket-v1"
 _BLOB_DOMAIN = b"nibble-kv-blob-v1\0"
+_CHECKSUM_DOMAIN = "nibble-kv-checksum-v1"
 T = TypeVar("T")
 
 
@@ -71,3 +83,20 @@ def sign_blob(secret: bytes, blob: bytes) -> bytes:
 
 def verify_blob(secret: bytes, blob: bytes, signature: bytes) -> bool:
     return hmac.compare_digest(sign_blob(secret, blob), bytes(signature))
+
+
+def checksum_message(ticket: TicketFields, checksum: str) -> bytes:
+    """Canonical bytes a checksum tag covers: the ticket's id and signature, the checksum."""
+    return json.dumps([_CHECKSUM_DOMAIN, ticket.ticket_id, bytes(ticket.signature).hex(),
+                       str(checksum)], separators=(",", ":")).encode()
+
+
+def checksum_tag(secret: bytes, ticket: TicketFields, checksum: str) -> bytes:
+    """HMAC-SHA256 binding ``checksum`` (a page-set checksum) to ``ticket`` (32 bytes)."""
+    return hmac.new(secret, checksum_message(ticket, checksum), hashlib.sha256).digest()
+
+
+def verify_checksum_tag(secret: bytes, ticket: TicketFields, checksum: str, tag: bytes) -> bool:
+    """True when ``tag`` is ``checksum_tag(secret, ticket, checksum)`` (constant time)."""
+    return bool(checksum) and hmac.compare_digest(checksum_tag(secret, ticket, checksum),
+                                                  bytes(tag or b""))

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bnibble/v1/kv_transfer.proto\x12\tnibble.v1\"\x84\x01\n\x0eTransferTicket\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tticket_id\x18\x02 \x01(\t\x12\x11\n\tdst_pages\x18\x03 \x03(\r\x12\x13\n\x0bpage_nbytes\x18\x04 \x01(\x04\x12\x10\n\x08\x64\x65\x61\x64line\x18\x05 \x01(\x01\x12\x11\n\tsignature\x18\x06 \x01(\x0c\"z\n\tPageChunk\x12)\n\x06ticket\x18\x01 \x01(\x0b\x32\x19.nibble.v1.TransferTicket\x12\x10\n\x08\x63hecksum\x18\x02 \x01(\t\x12\x12\n\npage_index\x18\x03 \x01(\r\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"?\n\x08WriteAck\x12\x11\n\tticket_id\x18\x01 \x01(\t\x12\x0e\n\x06nbytes\x18\x02 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x03 \x01(\t2G\n\nKVTransfer\x12\x39\n\nWritePages\x12\x14.nibble.v1.PageChunk\x1a\x13.nibble.v1.WriteAck(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bnibble/v1/kv_transfer.proto\x12\tnibble.v1\"\x84\x01\n\x0eTransferTicket\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tticket_id\x18\x02 \x01(\t\x12\x11\n\tdst_pages\x18\x03 \x03(\r\x12\x13\n\x0bpage_nbytes\x18\x04 \x01(\x04\x12\x10\n\x08\x64\x65\x61\x64line\x18\x05 \x01(\x01\x12\x11\n\tsignature\x18\x06 \x01(\x0c\"\x90\x01\n\tPageChunk\x12)\n\x06ticket\x18\x01 \x01(\x0b\x32\x19.nibble.v1.TransferTicket\x12\x10\n\x08\x63hecksum\x18\x02 \x01(\t\x12\x12\n\npage_index\x18\x03 \x01(\r\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\x12\x14\n\x0c\x63hecksum_tag\x18\x06 \x01(\x0c\"?\n\x08WriteAck\x12\x11\n\tticket_id\x18\x01 \x01(\t\x12\x0e\n\x06nbytes\x18\x02 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x03 \x01(\t2G\n\nKVTransfer\x12\x39\n\nWritePages\x12\x14.nibble.v1.PageChunk\x1a\x13.nibble.v1.WriteAck(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,10 +33,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_TRANSFERTICKET']._serialized_start=43
   _globals['_TRANSFERTICKET']._serialized_end=175
-  _globals['_PAGECHUNK']._serialized_start=177
-  _globals['_PAGECHUNK']._serialized_end=299
-  _globals['_WRITEACK']._serialized_start=301
-  _globals['_WRITEACK']._serialized_end=364
-  _globals['_KVTRANSFER']._serialized_start=366
-  _globals['_KVTRANSFER']._serialized_end=437
+  _globals['_PAGECHUNK']._serialized_start=178
+  _globals['_PAGECHUNK']._serialized_end=322
+  _globals['_WRITEACK']._serialized_start=324
+  _globals['_WRITEACK']._serialized_end=387
+  _globals['_KVTRANSFER']._serialized_start=389
+  _globals['_KVTRANSFER']._serialized_end=460
 # @@protoc_insertion_point(module_scope)

@@ -47,7 +47,8 @@ class KVTransferServicer:
     def WritePages(self, request_iterator, context):
         """Client-streaming: ticket first, then page chunks; the receiver answers
         once every byte of every ticket page has landed. Refusals:
-        PERMISSION_DENIED (bad signature, unknown or reused ticket),
+        PERMISSION_DENIED (bad ticket or checksum signature, unknown or reused
+        ticket),
         DEADLINE_EXCEEDED (ticket deadline passed), INVALID_ARGUMENT (chunk out
         of order or out of bounds, wrong page size), DATA_LOSS (checksum).
         """

@@ -21,7 +21,9 @@ PN = 256  # page bytes
 
 @pytest.fixture
 def rx():
-    tr = create_transport("grpc", secret=SECRET, max_chunk_bytes=300)
+    # These raw streams test chunk handling and send no checksum; test_transfer_security.py
+    # covers the signed checksum a receiver requires by default.
+    tr = create_transport("grpc", secret=SECRET, max_chunk_bytes=300, require_checksum=False)
     tr.attach(torch.zeros(6, 2, PN // 2, dtype=torch.uint8))
     address = decode_endpoint(tr.endpoint(), SECRET, "grpc").fields["address"]
     channel = grpc.insecure_channel(address)

@@ -7,7 +7,7 @@ import hmac
 
 import pytest
 
-from nibble.tiering.transfer import (SECRET_ENV, EndpointError, TransferArgumentError,
+from nibble.tiering.transfer import (EndpointError, TransferArgumentError,
                                      TransferTicket, create_transport, sign_ticket, signing,
                                      verify_ticket)
 from nibble.tiering.transfer.endpoint import Endpoint, decode_endpoint
@@ -62,12 +62,13 @@ def test_sign_ticket_and_verify_ticket():
     assert not verify_ticket(signed, SECRET, "nibble-grpc-another")
 
 
-def test_the_secret_defaults_to_the_environment(monkeypatch):
-    monkeypatch.delenv(SECRET_ENV, raising=False)
-    with pytest.raises(TransferArgumentError, match=SECRET_ENV):
+def test_the_secret_is_explicit_never_read_from_the_environment(monkeypatch):
+    """Issue 14: the transport took $NIBBLE_KV_SECRET as a hidden default; the caller now
+    passes the derived transfer key."""
+    monkeypatch.setenv("NIBBLE_KV_SECRET", "s" * 20)
+    with pytest.raises(TransferArgumentError, match="secret="):
         create_transport("grpc")
-    monkeypatch.setenv(SECRET_ENV, "s" * 20)
-    assert create_transport("grpc").secret == b"s" * 20
+    assert create_transport("grpc", secret=b"s" * 20).secret == b"s" * 20
 
 
 def test_short_secrets_are_refused():
