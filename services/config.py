@@ -335,8 +335,10 @@ def _validate_security(cfg: NibbleConfig) -> None:
     if s.ssl_ca_certs is not None and s.ssl_certfile is None:
         raise ConfigError("--ssl-ca-certs (client certificates) needs --ssl-certfile and "
                           "--ssl-keyfile")
-    if (d.kv_transfer_ssl_keyfile is None) != (d.kv_transfer_ssl_certfile is None):
-        raise ConfigError("--kv-transfer-ssl-keyfile and --kv-transfer-ssl-certfile go together")
+    tls = (d.kv_transfer_ssl_certfile, d.kv_transfer_ssl_keyfile, d.kv_transfer_ssl_ca_certs)
+    if any(tls) and not all(tls):
+        raise ConfigError("--kv-transfer-ssl-certfile, --kv-transfer-ssl-keyfile and "
+                          "--kv-transfer-ssl-ca-certs go together (mutual TLS between workers)")
     if s.graceful_shutdown_timeout < 0:
         raise ConfigError("--graceful-shutdown-timeout must be >= 0")
     if s.max_request_body_bytes < 1024:

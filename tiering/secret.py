@@ -44,8 +44,9 @@ class KVSecret:
 
     @classmethod
     def generate(cls) -> "KVSecret":
-        """A random secret for one process (records it writes are unreadable after a restart)."""
-        return cls(_random.token_bytes(32), ephemeral=True)
+        """A random secret for one process (records it writes are unreadable after a restart);
+        hex text, so it can be written to a secret file for child processes."""
+        return cls(_random.token_hex(32), ephemeral=True)
 
     def derive(self, purpose: str) -> bytes:
         """The 32-byte key for ``purpose`` (one of ``PURPOSES``)."""
