@@ -145,6 +145,7 @@ class EngineWorker:
         s["reservations"] = len(self.engine.core.handoff.reservations)
         s["held"] = len(self.engine.core.held)
         s["incarnation"] = self.incarnation
+        s["pid"] = os.getpid()             # for operators (and the soak bench's worker kill)
         s["transfers_received"] = len(self.transport.received())   # drained each poll
         s["transfers_rejected"] = len(self.transport.rejected())
         return s

@@ -221,6 +221,7 @@ class AsyncEngine:
             self._drain(block=not self.core.has_unfinished())
             self.core.handoff.expire()
             if not self.core.has_unfinished():
+                self.core.poll_background()
                 continue
             try:
                 outs = self.core.step()

@@ -188,10 +188,15 @@ class EngineCore:
         self._streams.pop(seq.request_id, None)
         return RequestOutput(seq.request_id, [], text, True, seq.finish_reason, seq.usage())
 
-    def step(self) -> list[RequestOutput]:
-        """Run one batch; return an update for every request that produced a token."""
+    def poll_background(self) -> None:
+        """Apply finished tier work (backups release the L1 pages they held). ``step`` does
+        this itself; an idle engine calls it so those pages come back without a next step."""
         if self.tiers is not None:
             self.tiers.poll()
+
+    def step(self) -> list[RequestOutput]:
+        """Run one batch; return an update for every request that produced a token."""
+        self.poll_background()
         batch = self.scheduler.schedule()
         if not batch.seqs:
             if self.scheduler.waiting:

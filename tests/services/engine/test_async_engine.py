@@ -138,3 +138,32 @@ def test_a_running_request_does_not_count_as_queued(fp32_model):
         finally:
             await eng.shutdown()
     asyncio.run(main())
+
+
+def test_an_idle_engine_takes_back_the_pages_its_backups_held(bf16_model, tmp_path):
+    """A write-through backup pins its L1 pages until the tier worker is done; the engine
+    must apply that on its own when no request comes after (no next step), or the pages
+    stay in use forever on an idle server (the soak bench's leak)."""
+    from .test_tiers import tiered_engine
+
+    async def main():
+        core = tiered_engine(bf16_model, tmp_path, storage=False)
+        eng = async_engine(core)
+        try:
+            # 62 prompt tokens + 4 generated: the 4th page fills on the last step, so its
+            # backup starts after the engine's last poll
+            outs = await collect(eng, greedy("a", PROMPT[:62], n=4))
+            assert outs[-1].finished and outs[-1].error is None
+            worker = core.tiers.worker
+            for _ in range(2000):                       # wait (bounded) for the copy itself
+                if not worker.busy():
+                    break
+                await asyncio.sleep(0.005)
+            assert not worker.busy()
+            await eng.call(lambda: None)                # one idle loop turn after the copy
+            await eng.call(lambda: None)
+            alloc = core.pool.allocator
+            assert await eng.call(lambda: alloc.num_free) == core.pool.num_pages
+        finally:
+            await eng.shutdown()
+    asyncio.run(main())
