@@ -31,6 +31,11 @@ EXISTING_SECRET_VALUES = {
     "podDisruptionBudget": {"enabled": False},
     "serviceAccount": {"create": False},
 }
+# TLS on the gateway (client certificates required) and mutual TLS between workers.
+TLS_VALUES = {
+    "gateway": {"tls": {"secretName": "nibble-tls", "requireClientCertificates": True}},
+    "ray": {"transferTls": {"secretName": "nibble-transfer-tls"}},
+}
 GPU = CHART / "values-gpu.yaml"
 VARIANTS = {
     "cpu": ((), (), None),
@@ -41,6 +46,7 @@ VARIANTS = {
     "full": ((), (), FULL_VALUES),
     "existing-secret": ((), (), EXISTING_SECRET_VALUES),
     "no-hicache": ((), ("hierarchicalCache.enabled=false",), None),
+    "tls": ((), (), TLS_VALUES),
 }
 
 

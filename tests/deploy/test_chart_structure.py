@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from .conftest import FULL_VALUES, VARIANTS
-from .helpers import NAMESPACE, arg_value, config_lines, find, one, pod_specs
+from .helpers import NAMESPACE, arg_value, config_lines, find, one, pod_specs, render
 
 ALL = sorted(VARIANTS)
 
@@ -71,9 +71,13 @@ def test_gateway_probes_http_health_and_grpc_health(rendered, variant):
     docs = rendered(variant)
     c = gateway(docs)["spec"]["containers"][0]
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ports["http"] == 30000
+    if variant == "tls":       # the kubelet has no client certificate: a TCP check
+        for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+            assert c[probe]["tcpSocket"] == {"port": "http"}
+        return
     for probe in ("startupProbe", "livenessProbe"):
         assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}
-    assert ports["http"] == 30000
     if find(docs, "Service", "-grpc"):
         assert c["readinessProbe"]["grpc"] == {"port": 30001}
         assert ports["grpc"] == 30001
@@ -195,7 +199,8 @@ def test_secrets_are_referenced_never_inlined(rendered):
     assert data["api-keys"].splitlines() == FULL_VALUES["auth"]["apiKeys"]
     assert data["admin-api-keys"].splitlines() == FULL_VALUES["auth"]["adminApiKeys"]
     assert data["kv-secret"] == FULL_VALUES["auth"]["kvSecret"]
-    assert data["hicache-storage-url"] == FULL_VALUES["redis"]["external"]["url"]
+    assert data["hicache-storage-url"] == "redis://redis.example.internal:6379/3"
+    assert data["redis-password"] == "hunter2-redis-pw"
     secret_name = one(docs, "Secret", "-secrets")["metadata"]["name"]
     values = [*data.values(), "hunter2-redis-pw", *FULL_VALUES["auth"]["apiKeys"]]
     for d in docs:
@@ -206,12 +211,19 @@ def test_secrets_are_referenced_never_inlined(rendered):
         assert not leaked, f"{d['kind']}/{d['metadata']['name']} inlines a secret"
     for name, template in pod_specs(docs):
         for c in template["spec"]["containers"]:
-            env = {e["name"]: e for e in c.get("env", [])}
-            if "NIBBLE_KV_SECRET" in env:
-                ref = env["NIBBLE_KV_SECRET"]["valueFrom"]["secretKeyRef"]
-                assert ref == {"name": secret_name, "key": "kv-secret"}, name
-    gw_volumes = {v["name"]: v for v in gateway(docs)["spec"]["volumes"]}
-    assert gw_volumes["secrets"]["secret"]["secretName"] == secret_name
+            env = {e["name"] for e in c.get("env", [])}
+            assert "NIBBLE_KV_SECRET" not in env, name          # files only, never env
+        if "redis" in name:
+            continue
+        vols = {v["name"]: v for v in template["spec"]["volumes"]}
+        assert vols["secrets"]["secret"]["secretName"] == secret_name, name
+        assert vols["secrets"]["secret"]["defaultMode"] == 0o400, name
+        mounts = {m["name"]: m for m in template["spec"]["containers"][0]["volumeMounts"]}
+        assert mounts["secrets"] == {"name": "secrets", "mountPath": "/etc/nibble/secrets",
+                                     "readOnly": True}, name
+        if name.startswith("RayCluster/"):                  # Ray pods: only what workers read
+            items = {i["key"] for i in vols["secrets"]["secret"]["items"]}
+            assert items == {"kv-secret", "redis-password"}, name
 
 
 def test_existing_secret_is_used_and_not_rendered(rendered):
@@ -221,8 +233,8 @@ def test_existing_secret_is_used_and_not_rendered(rendered):
     assert not find(docs, "ServiceAccount")
     gw = gateway(docs)
     assert {v["name"]: v for v in gw["spec"]["volumes"]}["secrets"]["secret"]["secretName"] == "my-nibble-keys"
-    env = {e["name"]: e for e in gw["spec"]["containers"][0]["env"]}
-    assert env["NIBBLE_KV_SECRET"]["valueFrom"]["secretKeyRef"]["name"] == "my-nibble-keys"
+    env = {e["name"] for e in gw["spec"]["containers"][0]["env"]}
+    assert "NIBBLE_KV_SECRET" not in env
 
 
 def test_generated_kv_secret_is_long_and_random(rendered):
@@ -241,6 +253,51 @@ def test_chart_redis_is_wired_as_the_l3_tier(rendered):
     assert arg_value(args, "--hicache-storage-url") == url
     redis_args = sts["spec"]["template"]["spec"]["containers"][0]["args"]
     assert arg_value(redis_args, "--maxmemory-policy") == "allkeys-lru"
+
+
+def test_chart_redis_requires_a_password_that_is_in_no_argv(rendered):
+    docs = rendered("cpu")
+    password = _secret_data(docs)["redis-password"]
+    assert len(password) >= 32
+    sts = one(docs, "StatefulSet", "-redis")
+    pod = sts["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    assert password not in json.dumps(sts)
+    script = c["command"][2]
+    assert c["command"][:2] == ["sh", "-c"] and "requirepass" in script
+    assert "/run/redis/redis.conf" in script and script.rstrip().endswith('"$@"')
+    env = {e["name"]: e for e in c["env"]}
+    assert env["REDISCLI_AUTH"]["valueFrom"]["secretKeyRef"]["key"] == "redis-password"
+    vols = {v["name"]: v for v in pod["volumes"]}
+    assert vols["run"]["emptyDir"]["medium"] == "Memory"        # the config never hits a disk
+    assert vols["auth"]["secret"]["items"] == [{"key": "redis-password",
+                                                "path": "redis-password"}]
+
+
+def test_network_policies_admit_only_the_release(rendered):
+    docs = rendered("cpu")
+    redis_np = one(docs, "NetworkPolicy", "-redis")
+    sts = one(docs, "StatefulSet", "-redis")
+    assert selects(redis_np["spec"]["podSelector"]["matchLabels"],
+                   sts["spec"]["template"]["metadata"]["labels"])
+    (rule,) = redis_np["spec"]["ingress"]
+    (peer,) = rule["from"]
+    assert set(peer) == {"podSelector"}                        # no namespace or IP block
+    pods = dict(pod_specs(docs))
+    admitted = [n for n, t in pods.items() if _matches(peer["podSelector"], t)]
+    assert sorted(admitted) == sorted(n for n in pods if "redis" not in n)
+    ray_np = one(docs, "NetworkPolicy", "-ray")
+    ray_pods = [n for n, t in pods.items() if _matches(ray_np["spec"]["podSelector"], t)]
+    assert ray_pods and all(n.startswith("RayCluster/") for n in ray_pods)
+    assert ray_np["spec"]["ingress"][1] == {"ports": [{"port": 8080, "protocol": "TCP"}]}
+    assert not find(rendered("colocated"), "NetworkPolicy", "-ray")
+
+
+def _matches(selector: dict, template: dict) -> bool:
+    labels = template["metadata"]["labels"]
+    if not selects(selector.get("matchLabels", {}), labels):
+        return False
+    return all(labels.get(e["key"]) in e["values"] for e in selector.get("matchExpressions", []))
 
 
 def test_external_redis_and_other_storage_choices(rendered):
@@ -278,3 +335,38 @@ def test_objects_carry_the_release_labels(rendered, variant):
         labels = d["metadata"]["labels"]
         assert labels["app.kubernetes.io/instance"] == "rel", d["metadata"]["name"]
         assert labels["app.kubernetes.io/part-of"] == "nibble"
+
+
+def test_tls_secrets_are_mounted_and_named_by_the_flags(rendered):
+    docs = rendered("tls")
+    args = config_lines(docs, "serve.args")
+    assert arg_value(args, "--ssl-certfile") == "/etc/nibble/tls/tls.crt"
+    assert arg_value(args, "--ssl-keyfile") == "/etc/nibble/tls/tls.key"
+    assert arg_value(args, "--ssl-ca-certs") == "/etc/nibble/tls/ca.crt"
+    for flag, name in (("certfile", "tls.crt"), ("keyfile", "tls.key"), ("ca-certs", "ca.crt")):
+        assert arg_value(args, f"--kv-transfer-ssl-{flag}") == f"/etc/nibble/transfer-tls/{name}"
+    for name, template in pod_specs(docs):
+        if "redis" in name:
+            continue
+        vols = {v["name"]: v for v in template["spec"]["volumes"]}
+        mounts = {m["name"]: m["mountPath"] for m in template["spec"]["containers"][0]["volumeMounts"]}
+        assert vols["transfer-tls"]["secret"]["secretName"] == "nibble-transfer-tls", name
+        assert mounts["transfer-tls"] == "/etc/nibble/transfer-tls", name
+    gw = gateway(docs)
+    assert {v["name"]: v for v in gw["spec"]["volumes"]}["tls"]["secret"]["secretName"] == "nibble-tls"
+    plain = config_lines(rendered("cpu"), "serve.args")
+    assert arg_value(plain, "--ssl-certfile") is None and arg_value(plain, "--kv-transfer-ssl-ca-certs") is None
+
+
+def test_https_probes_without_client_certificates():
+    docs = render(sets=("gateway.tls.secretName=nibble-tls",))
+    c = gateway(docs)["spec"]["containers"][0]
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert c[probe]["httpGet"] == {"path": "/health", "port": "http", "scheme": "HTTPS"}
+    assert arg_value(config_lines(docs, "serve.args"), "--ssl-ca-certs") is None
+
+
+def test_allow_unauthenticated_generates_no_key():
+    docs = render(sets=("auth.allowUnauthenticated=true",))
+    assert "api-keys" not in _secret_data(docs)
+    assert "--allow-unauthenticated" in config_lines(docs, "serve.args")

@@ -37,6 +37,10 @@ def mount(docs: list[dict], tmp_path):
     return config, secrets
 
 
+def arg_after(argv: list[str], flag: str) -> str | None:
+    return argv[argv.index(flag) + 1] if flag in argv else None
+
+
 def launch_print(config, secrets) -> dict:
     env = {"NIBBLE_CONFIG_DIR": str(config), "NIBBLE_SECRETS_DIR": str(secrets), "PATH": "/usr/bin:/bin"}
     out = subprocess.run([sys.executable, str(config / "launch.py"), "--print"], env=env,
@@ -65,7 +69,12 @@ def test_default_values_give_a_valid_disaggregated_serve_command(rendered, tmp_p
     assert cfg.hicache.enable_hierarchical_cache and cfg.hicache.hicache_storage_backend == "redis"
     assert cfg.hicache.hicache_storage_url.startswith("redis://rel-nibble-redis.")
     assert cfg.device.device == "cpu" and cfg.cache.kv_cache_dtype == "nvfp4"
-    assert cfg.server.api_keys == ()
+    generated = (tmp_path / "secrets" / "api-keys").read_text()
+    assert cfg.server.api_keys == (generated,) and len(generated) >= 40   # generated: no open API
+    assert cfg.cache.kv_secret_file == "/etc/nibble/secrets/kv-secret"
+    assert arg_after(cmds["serve"], "--hicache-storage-password-file") == \
+        str(tmp_path / "secrets" / "redis-password")
+    assert cfg.server.graceful_shutdown_timeout == 25      # terminationGracePeriodSeconds - 5
     assert cmds["ray_start"][:2] == ["ray", "start"]
 
 
@@ -74,7 +83,14 @@ def test_keys_and_external_redis_come_from_the_secret(rendered, tmp_path):
     cfg = nibble_config(cmds["serve"])
     assert list(cfg.server.api_keys) == FULL_VALUES["auth"]["apiKeys"]
     assert list(cfg.server.admin_api_keys) == FULL_VALUES["auth"]["adminApiKeys"]
-    assert cfg.hicache.hicache_storage_url == FULL_VALUES["redis"]["external"]["url"]
+    # the password leaves the URL for a file of its own
+    assert cfg.hicache.hicache_storage_url == "redis://redis.example.internal:6379/3"
+    assert (tmp_path / "secrets" / "redis-password").read_text() == "hunter2-redis-pw"
+    assert arg_after(cmds["serve"], "--hicache-storage-password-file") == \
+        str(tmp_path / "secrets" / "redis-password")
+    secrets = [*FULL_VALUES["auth"]["apiKeys"], *FULL_VALUES["auth"]["adminApiKeys"],
+               FULL_VALUES["auth"]["kvSecret"], "hunter2-redis-pw"]
+    assert not [a for a in cmds["serve"] if any(x in a for x in secrets)], "a secret in argv"
     assert cfg.cache.max_total_tokens == 1000000           # no 1e+06 from the template
     assert cfg.cache.mem_fraction_static == 0.5
     assert cfg.model.model_path == "/models/SmolLM2"
@@ -89,8 +105,13 @@ def test_keys_and_external_redis_come_from_the_secret(rendered, tmp_path):
                                      "existing-secret", "no-hicache"])
 def test_every_variant_gives_a_valid_serve_command(rendered, tmp_path, variant):
     docs = rendered(variant)
-    cmds = launch_print(*mount(docs, tmp_path))
+    config, secrets = mount(docs, tmp_path)
+    if variant == "existing-secret":             # the user's own Secret, as the pod mounts it
+        (secrets / "kv-secret").write_text("user-kv-secret-0123456789")
+        (secrets / "api-keys").write_text("user-api-key-0001\n")
+    cmds = launch_print(config, secrets)
     cfg = nibble_config(cmds["serve"])
+    assert cfg.server.api_keys                   # no variant serves the pod network openly
     disagg = any(d["kind"] == "RayCluster" for d in docs)
     assert cfg.disagg.disaggregate == disagg
     assert bool(cmds["ray_start"]) == disagg

@@ -20,7 +20,11 @@ FLAGS = SCHEMA["properties"]["serve"]["properties"]["flags"]["properties"]
 # Flags the chart sets itself (from other values); users cannot set them in serve.flags.
 CHART_MANAGED = {"host", "port", "grpc-port", "disaggregate", "prefill-workers", "decode-workers",
                  "ray-address", "enable-hierarchical-cache", "hicache-storage-backend",
-                 "hicache-storage-url", "api-key", "admin-api-key"}
+                 "hicache-storage-url", "hicache-storage-password-file", "api-key",
+                 "admin-api-key", "api-key-file", "admin-api-key-file", "kv-secret-file",
+                 "allow-unauthenticated", "graceful-shutdown-timeout", "ssl-keyfile",
+                 "ssl-certfile", "ssl-ca-certs", "kv-transfer-ssl-certfile",
+                 "kv-transfer-ssl-keyfile", "kv-transfer-ssl-ca-certs"}
 
 
 def serve_options() -> dict[str, argparse.Action]:

@@ -8,11 +8,13 @@ Files (one argument or key per line; blank lines and lines starting with ``#`` a
   ``ray start``, run first so that this pod joins the Ray cluster as a zero-CPU node. The
   driver then connects to the GCS directly: Ray Client (``ray://``) cannot carry the
   streaming generators that the disaggregated engine streams tokens through.
-- ``$NIBBLE_SECRETS_DIR/api-keys``, ``admin-api-keys`` (Secret): ``--api-key`` and
-  ``--admin-api-key`` per line; ``hicache-storage-url``: ``--hicache-storage-url``.
+- ``$NIBBLE_SECRETS_DIR`` (Secret): ``api-keys`` and ``admin-api-keys`` (one key per line)
+  become ``--api-key-file`` and ``--admin-api-key-file``, ``redis-password`` becomes
+  ``--hicache-storage-password-file``, all naming the mounted file, so no secret is ever in
+  argv (``/proc/<pid>/cmdline``) or in the pod spec; ``hicache-storage-url`` (an external
+  Redis, its password already taken out by the chart) becomes ``--hicache-storage-url``.
 
-Secrets are read from files so that they never appear in the pod spec. ``--print`` writes
-the commands as JSON instead of running them (used by the chart's tests).
+``--print`` writes the commands as JSON instead of running them (used by the chart's tests).
 """
 
 from __future__ import annotations
@@ -41,9 +43,11 @@ def read_lines(path: str) -> list[str]:
 
 def serve_argv(config_dir: str = CONFIG_DIR, secrets_dir: str = SECRETS_DIR) -> list[str]:
     argv = ["nibble", "serve", *read_lines(os.path.join(config_dir, "serve.args"))]
-    for flag, name in (("--api-key", "api-keys"), ("--admin-api-key", "admin-api-keys")):
-        for key in read_lines(os.path.join(secrets_dir, name)):
-            argv += [flag, key]
+    for flag, name in (("--api-key-file", "api-keys"), ("--admin-api-key-file", "admin-api-keys"),
+                       ("--hicache-storage-password-file", "redis-password")):
+        path = os.path.join(secrets_dir, name)
+        if read_lines(path):
+            argv += [flag, path]
     url = read_lines(os.path.join(secrets_dir, "hicache-storage-url"))
     if url:
         argv += ["--hicache-storage-url", url[0]]

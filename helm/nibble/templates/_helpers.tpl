@@ -125,6 +125,33 @@ true
 {{ include "nibble.redisUrl" . }}
 {{- end }}
 {{- end }}
+--kv-secret-file
+{{ include "nibble.secretsDir" . }}/kv-secret
+--graceful-shutdown-timeout
+{{ max 0 (sub (int .Values.gateway.terminationGracePeriodSeconds) 5) }}
+{{- if .Values.auth.allowUnauthenticated }}
+--allow-unauthenticated
+{{- end }}
+{{- with .Values.gateway.tls }}
+{{- if .secretName }}
+--ssl-certfile
+{{ include "nibble.tlsDir" $ }}/tls.crt
+--ssl-keyfile
+{{ include "nibble.tlsDir" $ }}/tls.key
+{{- if .requireClientCertificates }}
+--ssl-ca-certs
+{{ include "nibble.tlsDir" $ }}/ca.crt
+{{- end }}
+{{- end }}
+{{- end }}
+{{- if and .Values.disaggregation.enabled .Values.ray.transferTls.secretName }}
+--kv-transfer-ssl-certfile
+{{ include "nibble.transferTlsDir" . }}/tls.crt
+--kv-transfer-ssl-keyfile
+{{ include "nibble.transferTlsDir" . }}/tls.key
+--kv-transfer-ssl-ca-certs
+{{ include "nibble.transferTlsDir" . }}/ca.crt
+{{- end }}
 {{- range $flag := keys .Values.serve.flags | sortAlpha }}
 {{- $v := index $.Values.serve.flags $flag }}
 {{- if kindIs "bool" $v }}
@@ -182,14 +209,75 @@ true
     sizeLimit: {{ .Values.ray.shmSize }}
 {{- end -}}
 
-{{- define "nibble.kvSecretEnv" -}}
-- name: NIBBLE_KV_SECRET
-  valueFrom:
-    secretKeyRef:
-      name: {{ include "nibble.secretName" . }}
-      key: kv-secret
+{{/* Secrets reach every process as files (--kv-secret-file, ...), never env or argv. */}}
+{{- define "nibble.secretsDir" -}}/etc/nibble/secrets{{- end -}}
+{{- define "nibble.tlsDir" -}}/etc/nibble/tls{{- end -}}
+{{- define "nibble.transferTlsDir" -}}/etc/nibble/transfer-tls{{- end -}}
+
+{{/* The Ray pods get only what the workers read: the KV secret and the Redis password. */}}
+{{- define "nibble.workerSecretVolumes" -}}
+- name: secrets
+  secret:
+    secretName: {{ include "nibble.secretName" . }}
+    defaultMode: 0400
+    # redis-password exists only with a Redis L3 tier.
+    optional: true
+    items:
+      - key: kv-secret
+        path: kv-secret
+      - key: redis-password
+        path: redis-password
+{{- with .Values.ray.transferTls.secretName }}
+- name: transfer-tls
+  secret:
+    secretName: {{ . }}
+    defaultMode: 0400
+{{- end }}
+{{- end -}}
+
+{{- define "nibble.workerSecretMounts" -}}
+- name: secrets
+  mountPath: {{ include "nibble.secretsDir" . }}
+  readOnly: true
+{{- if .Values.ray.transferTls.secretName }}
+- name: transfer-tls
+  mountPath: {{ include "nibble.transferTlsDir" . }}
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{- define "nibble.commonEnv" -}}
 - name: HOME
   value: /home/nibble
 - name: RAY_USAGE_STATS_ENABLED
   value: "0"
+{{- end -}}
+
+{{/* The gateway's /health probe: HTTPS when it serves TLS; a TCP check when it also demands
+client certificates (the kubelet has none). */}}
+{{- define "nibble.healthProbe" -}}
+{{- $tls := .Values.gateway.tls -}}
+{{- if and $tls.secretName $tls.requireClientCertificates -}}
+tcpSocket:
+  port: http
+{{- else -}}
+httpGet:
+  path: /health
+  port: http
+  {{- if $tls.secretName }}
+  scheme: HTTPS
+  {{- end }}
+{{- end -}}
+{{- end -}}
+
+{{/* NetworkPolicy peers: the pods of this release (gateway, Ray head and workers). */}}
+{{- define "nibble.releasePeers" -}}
+- podSelector:
+    matchLabels:
+      app.kubernetes.io/name: {{ include "nibble.name" . }}
+      app.kubernetes.io/instance: {{ .Release.Name }}
+    matchExpressions:
+      - key: app.kubernetes.io/component
+        operator: In
+        values: [gateway, ray-head, ray-prefill, ray-decode]
 {{- end -}}

@@ -25,7 +25,7 @@ spec:
       image: {{ include "nibble.image" $ }}
       imagePullPolicy: {{ $.Values.image.pullPolicy }}
       env:
-        {{- include "nibble.kvSecretEnv" $ | nindent 8 }}
+        {{- include "nibble.commonEnv" $ | nindent 8 }}
         {{- with $.Values.ray.env }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
@@ -68,10 +68,12 @@ spec:
         {{- toYaml $.Values.containerSecurityContext | nindent 8 }}
       volumeMounts:
         {{- include "nibble.scratchMounts" $ | nindent 8 }}
+        {{- include "nibble.workerSecretMounts" $ | nindent 8 }}
         - name: dshm
           mountPath: /dev/shm
   volumes:
     {{- include "nibble.scratchVolumes" $ | nindent 4 }}
+    {{- include "nibble.workerSecretVolumes" $ | nindent 4 }}
     {{- include "nibble.shmVolume" $ | nindent 4 }}
   {{- with $grp.nodeSelector }}
   nodeSelector:
