@@ -86,8 +86,20 @@ class EngineStatsCollector(Collector):
             yield CounterMetricFamily(PREFIX + "num_preemptions",
                                       "Requests preempted because KV pages ran out.",
                                       value=float(s["num_preemptions"]))
+        for key, name, doc in ENGINE_COUNTERS:
+            if s.get(key) is not None:
+                yield CounterMetricFamily(PREFIX + name, doc, value=float(s[key]))
         if s.get("tiers") and s["tiers"].get("hierarchical"):
             yield from tier_families(s["tiers"], s.get("num_cached_pages", 0))
+
+
+# Engine totals exported as counters: (stats key, metric name, help).
+ENGINE_COUNTERS = (
+    ("num_request_faults", "request_faults",
+     "Requests failed alone by a fault in their own step (bad input or pages); the rest ran on."),
+    ("num_fault_recomputes", "fault_recomputes",
+     "Requests recomputed without the cached pages a failed step had used."),
+)
 
 
 def _labelled(family, values: dict[str, float]):

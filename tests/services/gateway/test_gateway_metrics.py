@@ -63,6 +63,12 @@ def test_engine_gauges_come_from_stats(client, engine):
     assert value(fams, "nibble:num_cached_pages") == 3
     assert value(fams, "nibble:num_preemptions_total") == 2
     assert value(fams, "nibble:num_running_reqs") == 0
+    assert "nibble:request_faults" not in fams          # an engine that does not report them
+    engine.stats_extra = {"num_request_faults": 3, "num_fault_recomputes": 1}
+    fams = scrape(client)
+    assert fams["nibble:request_faults"].type == "counter"
+    assert value(fams, "nibble:request_faults_total") == 3
+    assert value(fams, "nibble:fault_recomputes_total") == 1
 
 
 def test_counters_and_histograms_move(FakeEngine, make_client):
