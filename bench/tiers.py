@@ -6,7 +6,7 @@ nvfp4 and fp8_e4m3, about ``--total-mib`` of random pages per format:
 * L1->L2 / L2->L1: ``torch`` copies between a pool tensor (the GPU when there
   is one) and a host tensor (pinned with CUDA), page by page in batches of
   ``--batch`` as the tier worker does, and as one bulk copy (the ceiling).
-* encode / decode: ``page_record.encode_page`` / ``decode_page`` (SHA-256).
+* encode / decode: ``page_record.encode_page`` / ``decode_page`` (HMAC-SHA256).
 * Redis / file put and get: pre-encoded records in batches of ``--batch``;
   every record read back is checked to decode to its page bit for bit.
 
@@ -35,10 +35,12 @@ from tqdm import tqdm
 from nibble.kernels import PageLayout
 from nibble.tiering.page_record import (PageHeader, chain_keys, decode_page, encode_page,
                                         namespace_root)
+from nibble.tiering.secret import KVSecret
 from nibble.tiering.storage import create_storage_backend
 
 GEOMETRY = dict(num_layers=30, num_kv_heads=3, head_dim=64, page_size=16)  # SmolLM2-135M
 FORMATS = ("nvfp4", "fp8_e4m3")
+SECRET = KVSecret.generate()
 
 
 def _sync(dev: torch.device) -> None:
@@ -122,7 +124,8 @@ def bench_store(fmt: str, kind: str, target: str, keys, records, header, host_pa
             raise RuntimeError(f"{kind}: stored {stored}, read {sum(b is not None for b in got)}"
                                f" of {len(items)} records")
         for i in range(0, len(got), max(1, len(got) // 8)):
-            body = torch.frombuffer(bytearray(decode_page(got[i], header)), dtype=torch.uint8)
+            payload = decode_page(got[i], header, key=keys[i], secret=SECRET)
+            body = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
             assert torch.equal(body.view_as(host_pages[i]), host_pages[i])
         nbytes = sum(len(r) for r in records)
         return [_row(fmt, f"{kind} put", len(items), nbytes, t_put),
@@ -141,16 +144,19 @@ def bench_format(fmt: str, dev: torch.device, file_dir: str, args, bar) -> list[
     scales = torch.rand((layout.num_layers, 2), generator=g) + 0.5
     header = PageHeader.for_pool(layout, 1, scales)
     tokens = torch.randint(0, 49_152, (n * layout.page_size,), generator=g).tolist()
-    keys = chain_keys(namespace_root("bench-smollm2", layout, "bench"), tokens, layout.page_size)
+    root = namespace_root("bench-smollm2", layout, "bench", secret=SECRET)
+    keys = chain_keys(root, tokens, layout.page_size, secret=SECRET)
     rows = bench_copies(fmt, host_pages, dev, args, bar)
 
     records: list[bytes] = []
 
     def encode():
-        records[:] = [encode_page(header, host_pages[i]) for i in range(n)]
+        records[:] = [encode_page(header, host_pages[i], key=keys[i], secret=SECRET)
+                      for i in range(n)]
 
     t_enc = _timed(encode, args.reps, bar)
-    t_dec = _timed(lambda: [decode_page(r, header) for r in records], args.reps, bar)
+    t_dec = _timed(lambda: [decode_page(r, header, key=k, secret=SECRET)
+                            for k, r in zip(keys, records)], args.reps, bar)
     nbytes = sum(len(r) for r in records)
     rows += [_row(fmt, "encode", n, nbytes, t_enc), _row(fmt, "decode", n, nbytes, t_dec)]
     rows += bench_store(fmt, "redis", args.redis_url, keys, records, header, host_pages, args, bar)

@@ -53,6 +53,7 @@ class HiCacheConfig:
     hicache_write_policy: str = "write_through"  # write_through | write_through_selective | write_back
     hicache_prefetch_policy: str = "best_effort"  # best_effort | wait_complete | timeout
     hicache_prefetch_timeout: float = 2.0  # seconds a request waits under "timeout"
+    hicache_storage_password_file: str | None = None  # Redis password (else its env variable)
 
 
 @dataclass(frozen=True)
@@ -149,7 +150,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--hicache-size", type=float, default=None, help="L2 size in GB")
     g.add_argument("--hicache-storage-backend", default=h.hicache_storage_backend,
                    choices=["file", "redis", "none"])
-    g.add_argument("--hicache-storage-url", default=None)
+    g.add_argument("--hicache-storage-url", default=None,
+                   help="redis://host:port/db, or the file backend's directory; keep a "
+                        "password out of it (see --hicache-storage-password-file)")
+    g.add_argument("--hicache-storage-password-file", default=None, metavar="PATH",
+                   help="the Redis password, first line of this file (default: "
+                        "$NIBBLE_HICACHE_STORAGE_PASSWORD)")
     g.add_argument("--hicache-storage-prefix", default=h.hicache_storage_prefix)
     g.add_argument("--hicache-storage-ttl", type=int, default=None)
     g.add_argument("--hicache-storage-size", type=float, default=None, metavar="GB",
@@ -266,7 +272,8 @@ def config_from_args(ns: argparse.Namespace, env: Mapping[str, str] | None = Non
             ns.enable_hierarchical_cache, ns.hicache_ratio, ns.hicache_size,
             ns.hicache_storage_backend, ns.hicache_storage_url, ns.hicache_storage_prefix,
             ns.hicache_storage_ttl, get("hicache_storage_size"), ns.hicache_write_policy,
-            ns.hicache_prefetch_policy, ns.hicache_prefetch_timeout),
+            ns.hicache_prefetch_policy, ns.hicache_prefetch_timeout,
+            get("hicache_storage_password_file")),
         scheduler=SchedulerConfig(ns.max_running_requests, ns.chunked_prefill_size,
                                   ns.max_prefill_tokens, ns.max_queued_requests,
                                   ns.schedule_policy, ns.schedule_conservativeness),
@@ -346,3 +353,6 @@ def _validate_security(cfg: NibbleConfig) -> None:
     h = cfg.hicache
     if h.hicache_storage_size is not None and h.hicache_storage_size <= 0:
         raise ConfigError("--hicache-storage-size must be > 0")
+    if h.hicache_storage_password_file and h.hicache_storage_backend != "redis":
+        raise ConfigError("--hicache-storage-password-file is for --hicache-storage-backend "
+                          "redis")

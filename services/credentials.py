@@ -9,6 +9,12 @@ secret Nibble takes has a file flag and an environment variable:
   several separated by commas). ``--api-key KEY`` still works, with a warning.
 * The KV secret: ``--kv-secret-file`` / ``$NIBBLE_KV_SECRET`` (see
   ``nibble.tiering.secret``).
+* The L3 storage (Redis) password: ``--hicache-storage-password-file`` /
+  ``$NIBBLE_HICACHE_STORAGE_PASSWORD``, kept out of ``--hicache-storage-url``.
+
+Whatever config is shown (``/get_server_info``, gRPC GetServerInfo) goes
+through ``redact_urls``: the user-info part and credential-like query
+parameters of every URL in it are replaced by ``<redacted>``.
 
 A secret file readable by group or others is accepted with a warning (a
 Kubernetes Secret volume is 0644 by default unless ``defaultMode`` says
@@ -19,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import stat
 from collections.abc import Mapping
 
@@ -32,6 +39,10 @@ MAX_SECRET_FILE_BYTES = 1 << 16
 API_KEY_ENV = "NIBBLE_API_KEY"
 ADMIN_API_KEY_ENV = "NIBBLE_ADMIN_API_KEY"
 KV_SECRET_ENV = "NIBBLE_KV_SECRET"
+STORAGE_PASSWORD_ENV = "NIBBLE_HICACHE_STORAGE_PASSWORD"
+REDACTED = "<redacted>"
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s\"'<>]*")
+_SECRET_PARAM = re.compile(r"pass|pwd|secret|token|key|auth|credential|sig", re.IGNORECASE)
 
 
 def read_secret_file(path: str, flag: str) -> str:
@@ -95,3 +106,54 @@ def load_kv_secret(path: str | None, env: Mapping[str, str] | None = None) -> KV
         return KVSecret(raw)
     except ValueError as e:
         raise ConfigError(f"{where}: {e}") from None
+
+
+def load_storage_password(path: str | None, env: Mapping[str, str] | None = None) -> str | None:
+    """The L3 storage password from ``--hicache-storage-password-file`` (first line) or
+    ``$NIBBLE_HICACHE_STORAGE_PASSWORD``; None if neither is set."""
+    env = os.environ if env is None else env
+    flag = "--hicache-storage-password-file"
+    if path:
+        lines = read_secret_file(path, flag).splitlines()
+        if not lines or not lines[0].strip():
+            raise ConfigError(f"{flag} {path}: holds no password")
+        return lines[0].strip()
+    return env.get(STORAGE_PASSWORD_ENV) or None
+
+
+def _redact_params(part: str) -> str:
+    """``a=1&password=x`` -> ``a=1&password=<redacted>`` (credential-like names only)."""
+    out = []
+    for item in part.split("&"):
+        name, eq, _ = item.partition("=")
+        out.append(f"{name}={REDACTED}" if eq and _SECRET_PARAM.search(name) else item)
+    return "&".join(out)
+
+
+def redact_url(url: str) -> str:
+    """``url`` without credentials: the user-info (``user:password@``) becomes
+    ``<redacted>@``; credential-like query or fragment parameters get ``<redacted>`` values.
+    Over-redacts rather than leaks (an ``@`` before any ``?``/``#`` ends the user-info)."""
+    scheme, _, rest = url.partition("://")
+    cut = min((i for i in (rest.find("?"), rest.find("#")) if i >= 0), default=len(rest))
+    at = rest.rfind("@", 0, cut)
+    user = f"{REDACTED}@" if at >= 0 else ""
+    head, tail = user + rest[at + 1:cut], rest[cut:]
+    if tail.startswith("?"):
+        query, hash_, frag = tail[1:].partition("#")
+        tail = f"?{_redact_params(query)}" + (f"#{_redact_params(frag)}" if hash_ else "")
+    elif tail:
+        tail = f"#{_redact_params(tail[1:])}"
+    return f"{scheme}://{head}{tail}"
+
+
+def redact_urls(obj):
+    """A copy of ``obj`` (nested dicts/lists/tuples of JSON-like values) with every URL in
+    every string passed through ``redact_url``."""
+    if isinstance(obj, str):
+        return _URL.sub(lambda m: redact_url(m.group(0)), obj) if "://" in obj else obj
+    if isinstance(obj, dict):
+        return {k: redact_urls(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [redact_urls(v) for v in obj]
+    return obj

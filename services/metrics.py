@@ -126,6 +126,14 @@ def tier_families(t: dict[str, Any], l1_cached_pages: int) -> Iterator[Metric]:
                                         "writes that failed.", labels=["kind"]),
                     {"miss": t["l3_miss"], "corrupt": t["l3_corrupt"],
                      "write_failed": t["l3_write_failed"]})
+    rejected = CounterMetricFamily(
+        PREFIX + "tier_rejected_records", "Stored page records refused and recomputed, by tier "
+        "and reason (auth: forged or moved; malformed; stale; nonfinite scales).",
+        labels=["tier", "reason"])
+    for tier, reasons in t.get("rejected_records", {}).items():
+        for reason, n in reasons.items():
+            rejected.add_metric([tier, reason], float(n))
+    yield rejected
     yield CounterMetricFamily(PREFIX + "tier_load_seconds", "Time spent copying prefixes into L1.",
                               value=float(t["load_seconds"]))
     yield CounterMetricFamily(PREFIX + "tier_loads", "Prefix loads into L1.", value=float(t["loads"]))

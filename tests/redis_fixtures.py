@@ -39,9 +39,9 @@ def wait_for(pred, timeout: float = 5.0, step: float = 0.02) -> bool:
     return bool(pred())
 
 
-def _answers(host: str, port: int) -> bool:
+def _answers(host: str, port: int, password: str | None = None) -> bool:
     try:
-        with redis.Redis(host=host, port=port, socket_connect_timeout=0.5,
+        with redis.Redis(host=host, port=port, socket_connect_timeout=0.5, password=password,
                          retry=Retry(NoBackoff(), 0)) as r:  # no retries: answer now
             return bool(r.ping())
     except redis.RedisError:
@@ -51,11 +51,12 @@ def _answers(host: str, port: int) -> bool:
 class RedisServer:
     """A private redis-server on 127.0.0.1 (no RDB, no AOF), controlled by its PID."""
 
-    def __init__(self, workdir, port: int | None = None):
+    def __init__(self, workdir, port: int | None = None, password: str | None = None):
         self.binary = shutil.which("redis-server")
         if self.binary is None:
             pytest.skip("redis-server is not installed")
         self.workdir, self.port = workdir, port or free_port()
+        self.password = password          # requirepass, set through the config file
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -63,11 +64,16 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> "RedisServer":
+        conf = []
+        if self.password is not None:     # a config file keeps it out of this test's argv
+            path = self.workdir / "redis.conf"
+            path.write_text(f"requirepass {self.password}\n")
+            conf = [str(path)]
         self.proc = subprocess.Popen(
-            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+            [self.binary, *conf, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
              "--appendonly", "no", "--dir", str(self.workdir)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        if not wait_for(lambda: _answers("127.0.0.1", self.port)):
+        if not wait_for(lambda: _answers("127.0.0.1", self.port, self.password)):
             self.stop()
             pytest.fail(f"private redis-server did not start on port {self.port}")
         return self

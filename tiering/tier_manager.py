@@ -12,7 +12,14 @@
 * **Read path.** Before admission, ``prepare`` finds the run of pages that
   follows the L1 hit in L2 and, where the cost model says loading beats
   recomputing, starts an L3 -> L2 prefetch; ``load`` then copies the run from L2
-  into fresh L1 pages and inserts it into the radix tree.
+  into fresh L1 pages and inserts it into the radix tree. ``best_effort`` holds
+  the request while the prefetch runs, but never longer than recomputing the
+  fetched pages would take (so a read is used, not wasted, on an idle server);
+  ``wait_complete`` holds it until the prefetch ends, ``timeout`` at most
+  ``prefetch_timeout_s``. Held requests let later ones be admitted meanwhile.
+* **Trust.** Keys are keyed hashes and L3 records carry an HMAC under the
+  deployment's KV secret (``page_record``); a record that fails verification,
+  or holds non-finite scales, is counted, deleted from L3 and recomputed.
 """
 
 from __future__ import annotations
@@ -20,13 +27,15 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from .allocator import PageId
 from .events import KVEventLog
 from .host_pool import HostPool
 from .kv_pool import KVPool
-from .page_record import PageHeader, chain_keys, encode_page, namespace_root
+from .page_record import REJECT_REASONS, PageHeader, chain_keys, encode_page, namespace_root
 from .radix_cache import RadixCache
+from .secret import KVSecret
 from .tier_worker import Prefetch, TierWorker
 
 log = logging.getLogger(__name__)
@@ -53,12 +62,19 @@ class LoadResult:
 
 
 class TierManager:
+    """``secret``: the deployment's KV secret (keys and record tags); None makes an ephemeral
+    one, so this process's L3 records are unreadable to any other. ``clock``: monotonic
+    seconds (injectable for tests)."""
+
     def __init__(self, pool: KVPool, cache: RadixCache, fingerprint: str,
-                 host: HostPool | None, storage=None, policy: TierPolicy = TierPolicy()):
+                 host: HostPool | None, storage=None, policy: TierPolicy = TierPolicy(), *,
+                 secret: KVSecret | None = None, clock: Callable[[], float] = time.monotonic):
         if policy.write_policy not in WRITE_POLICIES or policy.prefetch_policy not in PREFETCH_POLICIES:
             raise ValueError(f"bad tier policy {policy}")
         self.pool, self.cache, self.host, self.storage = pool, cache, host, storage
         self.policy = policy
+        self.secret = secret if secret is not None else KVSecret.generate()
+        self.clock = clock
         self.fingerprint = fingerprint
         self.page_size = pool.layout.page_size
         self._roots: dict[str, bytes] = {}
@@ -74,7 +90,8 @@ class TierManager:
                          "l2_to_l1_pages": 0, "l1_to_l2_evict_pages": 0,
                          "prefetch_skipped_slow": 0, "load_seconds": 0.0, "loads": 0}
         self.events = KVEventLog()
-        self.worker = TierWorker(pool.pages, host, storage, self.header, self.events)
+        self.worker = TierWorker(pool.pages, host, storage, self.header, self.events,
+                                 layout=pool.layout, secret=self.secret)
         pool.add_reuse_hook(self._on_reuse, first=True)
         if host is not None:
             host.on_evict = self._on_l2_evict
@@ -87,9 +104,11 @@ class TierManager:
     def keys(self, namespace: str, tokens, num_pages: int) -> list[bytes]:
         root = self._roots.get(namespace)
         if root is None:
-            root = self._roots[namespace] = namespace_root(self.fingerprint, self.pool.layout,
-                                                           namespace, self.pool.recipe_digest)
-        return chain_keys(root, tokens[:num_pages * self.page_size], self.page_size)
+            root = self._roots[namespace] = namespace_root(
+                self.fingerprint, self.pool.layout, namespace, self.pool.recipe_digest,
+                secret=self.secret)
+        return chain_keys(root, tokens[:num_pages * self.page_size], self.page_size,
+                          secret=self.secret)
 
     # ---- write path (engine thread) ----
     def on_cached(self, namespace: str, tokens, pages: list[PageId]) -> None:
@@ -153,7 +172,8 @@ class TierManager:
     def _on_l2_evict(self, key: bytes, slot: int) -> None:
         self.events.emit("removed", "l2", [key])
         if self.storage is not None and self.policy.write_policy == "write_back":
-            self.worker.submit("persist", [(key, encode_page(self.header(), self.host.data[slot]))])
+            record = encode_page(self.header(), self.host.data[slot], key=key, secret=self.secret)
+            self.worker.submit("persist", [(key, record)])
 
     def poll(self) -> None:
         """Apply finished background work (engine thread, once per step)."""
@@ -194,7 +214,8 @@ class TierManager:
     def prepare(self, request_id: str, namespace: str, tokens, first: int, limit: int) -> bool:
         """May the request be admitted now? Starts its L3 prefetch on the first call.
 
-        ``first``: pages already matched in L1; ``limit``: most pages to reuse.
+        ``first``: pages already matched in L1; ``limit``: most pages to reuse. Admits once
+        the prefetch is done or its hold (``_hold_s``) has passed, with what arrived.
         """
         if self.host is None or first >= limit:
             return True
@@ -206,21 +227,36 @@ class TierManager:
             if not rest or self.storage is None or not self._worth_fetching(len(rest)):
                 self._prefetch[request_id] = Prefetch([], done=True)   # decided: nothing to fetch
                 return True
-            pf = self._prefetch[request_id] = Prefetch(rest)
+            now = self.clock()
+            pf = self._prefetch[request_id] = Prefetch(rest, started=now,
+                                                       deadline=now + self._hold_s(len(rest)))
             self.worker.submit("fetch", request_id, pf)
-        if pf.done or self.policy.prefetch_policy == "best_effort":
-            return True
-        if self.policy.prefetch_policy == "timeout":
-            return time.monotonic() - pf.started >= self.policy.prefetch_timeout_s
-        return False
+        return pf.done or self.clock() >= pf.deadline
+
+    def _hold_s(self, num_pages: int) -> float:
+        """How long a request may wait for its prefetch of ``num_pages``, per the policy.
+
+        best_effort: as long as recomputing those pages would take (capped by the
+        timeout): waiting longer would cost more than it saves, and not waiting at all
+        reads pages that an idle server then never uses.
+        """
+        policy = self.policy
+        if policy.prefetch_policy == "wait_complete":
+            return float("inf")
+        if policy.prefetch_policy == "timeout":
+            return policy.prefetch_timeout_s
+        return min(self._recompute_s(num_pages), policy.prefetch_timeout_s)
+
+    def _recompute_s(self, num_pages: int) -> float:
+        tps = self.prefill_tok_s or self.policy.assumed_prefill_tok_s
+        return num_pages * self.page_size / tps
 
     def _worth_fetching(self, num_pages: int) -> bool:
         """Cost model: load from L3 only when it beats recomputing (sglang#26305's trap)."""
         bw = self.worker.l3_bytes_s or self.policy.assumed_l3_bytes_s
-        tps = self.prefill_tok_s or self.policy.assumed_prefill_tok_s
         batches = -(-num_pages // 64)
         load_s = num_pages * self.pool.layout.page_nbytes / bw + batches * self.policy.l3_latency_s
-        if load_s < num_pages * self.page_size / tps:
+        if load_s < self._recompute_s(num_pages):
             return True
         self.counters["prefetch_skipped_slow"] += 1
         return False
@@ -299,6 +335,8 @@ class TierManager:
             "l3_state": health.state if health is not None else "absent",
             "l3_bytes_per_s": self.worker.l3_bytes_s, "prefill_tok_per_s": self.prefill_tok_s,
             "write_policy": self.policy.write_policy, "prefetch_policy": self.policy.prefetch_policy,
+            "rejected_records": {"l3": {r: self.worker.counters[f"l3_rejected_{r}"]
+                                        for r in REJECT_REASONS}},
         }
 
     def close(self) -> None:

@@ -16,8 +16,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from nibble.kernels import PageLayout
+
 from .host_pool import HostPool
-from .page_record import PageRecordError, decode_page, encode_page
+from .page_record import REJECT_REASONS, PageRecordError, check_finite, decode_page, encode_page
+from .secret import KVSecret
 
 log = logging.getLogger(__name__)
 BATCH = 64
@@ -29,6 +32,7 @@ class Prefetch:
 
     keys: list[bytes]
     started: float = field(default_factory=time.monotonic)
+    deadline: float = float("inf")                   # admit the request from then on anyway
     done: bool = False
     loaded: set[bytes] = field(default_factory=set)   # keys that arrived intact in L2
     corrupt: int = 0
@@ -38,8 +42,10 @@ class TierWorker:
     """One daemon thread executing tier jobs in order."""
 
     def __init__(self, pool_pages: torch.Tensor, host: HostPool | None, storage, header_fn,
-                 events=None):
+                 events=None, *, layout: PageLayout, secret: KVSecret):
         self.pool_pages = pool_pages
+        self.layout = layout
+        self.secret = secret                  # authenticates the records (page_record)
         self.host = host
         self.storage = storage
         self.header_fn = header_fn            # () -> PageHeader of the pool's current scales
@@ -49,7 +55,8 @@ class TierWorker:
         self.l3_bytes_s = 0.0                 # EMA of measured L3 read bandwidth (0 = unknown)
         self.counters = {"l2_written": 0, "l3_written": 0, "l3_write_failed": 0,
                          "l3_read": 0, "l3_miss": 0, "l3_corrupt": 0, "l3_bytes_read": 0,
-                         "l3_bytes_written": 0}
+                         "l3_bytes_written": 0, "l3_deleted_rejected": 0,
+                         **{f"l3_rejected_{r}": 0 for r in REJECT_REASONS}}
         self._lock = threading.Lock()
         self._pending = 0
         self._thread = threading.Thread(target=self._run, name="nibble-tiers", daemon=True)
@@ -106,7 +113,8 @@ class TierWorker:
         self.done.put(("backup", job_id))
         if self.storage is not None and written:
             header = self.header_fn()
-            self._persist([(k, encode_page(header, self.host.data[s])) for k, s in written])
+            self._persist([(k, encode_page(header, self.host.data[s], key=k, secret=self.secret))
+                           for k, s in written])
 
     def _persist(self, items: list[tuple[bytes, bytes]]) -> None:
         for i in range(0, len(items), BATCH):
@@ -119,7 +127,7 @@ class TierWorker:
             self.counters["l3_bytes_written"] += sum(len(v) for _, v in chunk[:stored])
 
     def _fetch(self, request_id: str, pf: Prefetch) -> None:
-        """Read a run of keys from L3 into L2, stopping at the first miss or bad record."""
+        """Read a run of keys from L3 into L2, stopping at the first miss or rejected record."""
         header = self.header_fn()
         for i in range(0, len(pf.keys), BATCH):
             keys = pf.keys[i:i + BATCH]
@@ -137,10 +145,10 @@ class TierWorker:
                     pf.done = True
                     return
                 try:
-                    payload = decode_page(blob, header)
+                    payload = decode_page(blob, header, key=key, secret=self.secret)
+                    check_finite(self.layout, payload, header)
                 except PageRecordError as e:
-                    log.warning("discarding a stored page: %s", e)
-                    self.counters["l3_corrupt"] += 1
+                    self._reject(key, e)
                     pf.corrupt += 1
                     pf.done = True
                     return
@@ -153,3 +161,13 @@ class TierWorker:
                 pf.loaded.add(key)
                 self.counters["l3_read"] += 1
         pf.done = True
+
+    def _reject(self, key: bytes, err: PageRecordError) -> None:
+        """Count a refused L3 record and delete it (best effort) unless it is merely stale:
+        a stale record is genuine, for another pool state, and this pool's write replaces it."""
+        log.warning("rejected an L3 page record (%s): %s; recomputing the page", err.reason, err)
+        self.counters["l3_corrupt"] += 1
+        self.counters[f"l3_rejected_{err.reason}"] += 1
+        if err.reason != "stale" and self.storage.delete_batch([key]):
+            self.counters["l3_deleted_rejected"] += 1
+            self._emit("removed", "l3", [key])

@@ -24,6 +24,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from nibble.kernels import PageLayout
 
 from ..config import NibbleConfig
+from ..credentials import KV_SECRET_ENV, load_kv_secret
 from ..errors import ConfigError
 from ..engine.types import FinishReason, GenerateRequest, RequestOutput, Usage
 from .metrics import RayMetrics
@@ -72,8 +73,12 @@ class Orchestrator:
         infos = await asyncio.gather(*(ray.get_actor(n).info.remote() for n in self.roles))
         first = infos[0]
         check_same_kv_identity(infos)
+        secret = load_kv_secret(self.cfg.cache.kv_secret_file)
+        if secret is None:       # the gateway hands one to every actor (secret_handoff)
+            raise ConfigError(f"no KV secret reached the router: give --kv-secret-file or "
+                              f"${KV_SECRET_ENV} (the router keys pages like the workers)")
         self.router = Router.for_model(first["fingerprint"], PageLayout(**first["layout"]),
-                                       recipe=first.get("recipe", ""))
+                                       recipe=first.get("recipe", ""), secret=secret)
         for name in self.roles:
             self._add(name)
         self._poller = asyncio.get_running_loop().create_task(self._poll_forever())

@@ -5,7 +5,8 @@ Pure bookkeeping, no Ray: the caller polls each worker's ``kv_events(since)`` an
 
 * **Index.** Page keys are chained (``tiering.page_record.chain_keys``): the key
   of page ``i`` already commits to every token before it and to the namespace
-  (model, KV format, layout, tenant). A per-worker *set* of keys is therefore a
+  (model, KV format, layout, tenant). They are keyed by the deployment's KV
+  secret, so the router needs the same secret as the workers. A per-worker *set* of keys is therefore a
   radix index over pages: the longest cached prefix is the longest run of the
   prompt's keys found in the set. Each worker has one such set per tier (l1, l2,
   l3), mirrored from its KV events. The index is approximate: events arrive late,
@@ -35,6 +36,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 from nibble.kernels.errors import RetryableError
 from nibble.services.errors import ConfigError
 from nibble.tiering.page_record import chain_keys, namespace_root
+from nibble.tiering.secret import KVSecret
 
 log = logging.getLogger(__name__)
 
@@ -196,11 +198,14 @@ class _Hit:
 class Router:
     """Routes prompts to decode/prefill workers by cached prefix and load (thread-safe)."""
 
-    def __init__(self, root_fn: Callable[[str], bytes], config: RouterConfig | None = None):
+    def __init__(self, root_fn: Callable[[str], bytes], config: RouterConfig | None = None, *,
+                 secret: KVSecret):
         """``root_fn(namespace) -> bytes``: the chain root for a tenant namespace, e.g.
-        ``lambda ns: namespace_root(fingerprint, layout, ns)`` (see ``for_model``)."""
+        ``lambda ns: namespace_root(fingerprint, layout, ns, secret=secret)`` (see
+        ``for_model``); ``secret``: the deployment's KV secret, which keys the chain."""
         self.cfg = config or RouterConfig()
         self._root_fn = root_fn
+        self._secret = secret
         self._roots: dict[str, bytes] = {}
         self._workers: dict[str, WorkerView] = {}
         self._shared_l3: dict[str, int] | None = {} if self.cfg.shared_l3 else None
@@ -208,10 +213,11 @@ class Router:
 
     @classmethod
     def for_model(cls, fingerprint: str, layout, config: RouterConfig | None = None,
-                  recipe: str = "") -> "Router":
-        """A router keyed like the workers' tier managers (same fingerprint, PageLayout and
-        K-recipe parameter digest)."""
-        return cls(lambda ns: namespace_root(fingerprint, layout, ns, recipe), config)
+                  recipe: str = "", *, secret: KVSecret) -> "Router":
+        """A router keyed like the workers' tier managers (same fingerprint, PageLayout,
+        K-recipe parameter digest and KV secret)."""
+        return cls(lambda ns: namespace_root(fingerprint, layout, ns, recipe, secret=secret),
+                   config, secret=secret)
 
     # ---- membership ----
     def add_worker(self, worker_id: str, role: str) -> WorkerView:
@@ -298,7 +304,8 @@ class Router:
             if len(self._roots) >= _MAX_ROOTS:
                 self._roots.clear()
             root = self._roots[namespace] = self._root_fn(namespace)
-        return [k.hex() for k in chain_keys(root, prompt_tokens[:usable * page_size], page_size)]
+        return [k.hex() for k in chain_keys(root, prompt_tokens[:usable * page_size], page_size,
+                                            secret=self._secret)]
 
     def choose(self, namespace: str, prompt_tokens: Sequence[int], page_size: int
                ) -> RouteDecision:

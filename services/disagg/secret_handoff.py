@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import secrets
 import shutil
 import tempfile
 from collections.abc import MutableMapping
@@ -83,9 +82,10 @@ def prepare_kv_secret(cfg: NibbleConfig, env: MutableMapping[str, str] | None = 
     if cfg.cache.kv_secret_file:
         return cfg, None
     if secret is None:
-        secret = KVSecret(secrets.token_hex(32), ephemeral=True)
-        log.info("no --kv-secret-file or $%s: using a random KV secret for this run (L3 "
-                 "records written now will not verify after a restart)", KV_SECRET_ENV)
+        secret = KVSecret.generate()
+        log.warning("no --kv-secret-file or $%s: using a random KV secret for this run (L3 "
+                    "records written now will not verify after a restart or on another "
+                    "deployment)", KV_SECRET_ENV)
     d = write_secret_file(secret)
     env.pop(KV_SECRET_ENV, None)     # the Ray processes started next read the file instead
     cache = dataclasses.replace(cfg.cache, kv_secret_file=d.secret_file)

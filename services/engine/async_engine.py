@@ -20,6 +20,7 @@ from dataclasses import asdict
 from typing import AsyncIterator
 
 from ..config import NibbleConfig
+from ..credentials import redact_urls
 from ..errors import EngineDeadError, NibbleError
 from .admission import AdmissionGate
 from .builder import EngineParts, build_parts
@@ -264,12 +265,13 @@ class AsyncEngine:
 
 
 def redacted_config(cfg: NibbleConfig) -> dict:
-    """The config as a dict with secrets (API keys) replaced by their count."""
+    """The config as a dict with secrets (API keys) replaced by their count, and the
+    credentials of every URL in it (a Redis password) by ``<redacted>``."""
     out = asdict(cfg)
     for field in ("api_keys", "admin_api_keys"):
         if field in out["server"]:
             out["server"][field] = f"<{len(out['server'][field])} configured>"
-    return out
+    return redact_urls(out)
 
 
 def build_engine(cfg: NibbleConfig) -> AsyncEngine:

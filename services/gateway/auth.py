@@ -28,6 +28,7 @@ from collections.abc import Iterable
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..config import ServerConfig
+from ..credentials import redact_urls
 from ..errors import ConfigError
 from .errors import error_response
 
@@ -159,13 +160,14 @@ class APIKeyMiddleware:
 
 
 def redact_keys(obj):
-    """A copy of ``obj`` (nested dicts/lists) with API key values replaced by a count."""
+    """A copy of ``obj`` (nested dicts/lists) with API key values replaced by a count and
+    URL credentials by ``<redacted>``."""
     if isinstance(obj, dict):
         return {k: (f"<{len(v)} redacted>" if k in REDACTED_FIELDS and isinstance(v, (list, tuple))
                     else redact_keys(v)) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return [redact_keys(v) for v in obj]
-    return obj
+    return redact_urls(obj) if isinstance(obj, str) else obj
 
 
 def is_loopback(host: str) -> bool:

@@ -12,9 +12,12 @@ from nibble.tiering import KVPool
 from nibble.tiering.page_record import (PageHeader, PageRecordError, decode_page, encode_page,
                                         namespace_root)
 from nibble.tiering.radix_cache import RadixCache
+from nibble.tiering.secret import KVSecret
 from nibble.tiering.tier_manager import TierManager
 
 GEOM = dict(num_layers=2, num_kv_heads=2, head_dim=16, page_size=16)
+SECRET = KVSecret("recipe-tests-secret-0123456789")
+KEY = bytes(32)
 
 
 def _params(fmt: str = "nvfp4", seed: int = 0, shape=(2, 2, 16)) -> RecipeParams:
@@ -49,24 +52,26 @@ def test_page_record_refuses_other_parameters():
     a, b = _params(seed=0).digest, _params(seed=1).digest
     payload = torch.arange(layout.page_nbytes, dtype=torch.int32).to(torch.uint8).reshape(
         2, layout.layer_nbytes)
-    blob = encode_page(PageHeader.for_pool(layout, 1, scales, a), payload)
-    assert bytes(decode_page(blob, PageHeader.for_pool(layout, 1, scales, a))) == bytes(
+    auth = dict(key=KEY, secret=SECRET)
+    blob = encode_page(PageHeader.for_pool(layout, 1, scales, a), payload, **auth)
+    assert bytes(decode_page(blob, PageHeader.for_pool(layout, 1, scales, a), **auth)) == bytes(
         payload.numpy())
     for other in (b, ""):
         with pytest.raises(PageRecordError, match="K-recipe parameters"):
-            decode_page(blob, PageHeader.for_pool(layout, 1, scales, other))
+            decode_page(blob, PageHeader.for_pool(layout, 1, scales, other), **auth)
     # A record without a recipe (plain formats) still loads where none is expected.
     plain = PageLayout("nvfp4_plain", **GEOM)
-    blob = encode_page(PageHeader.for_pool(plain, 0, scales), payload)
-    decode_page(blob, PageHeader.for_pool(plain, 0, scales, ""))
+    blob = encode_page(PageHeader.for_pool(plain, 0, scales), payload, **auth)
+    decode_page(blob, PageHeader.for_pool(plain, 0, scales, ""), **auth)
 
 
 def test_content_keys_are_namespaced_by_the_parameters():
     layout = PageLayout("nvfp4", **GEOM)
     a, b = _params(seed=0).digest, _params(seed=1).digest
-    roots = {namespace_root("m", layout, "t", r) for r in ("", a, b)}
+    roots = {namespace_root("m", layout, "t", r, secret=SECRET) for r in ("", a, b)}
     assert len(roots) == 3
-    assert namespace_root("m", layout, "t") == namespace_root("m", layout, "t", "")
+    assert namespace_root("m", layout, "t", secret=SECRET) == \
+        namespace_root("m", layout, "t", "", secret=SECRET)
 
 
 def test_tier_manager_headers_and_keys_follow_the_pool():
@@ -75,7 +80,7 @@ def test_tier_manager_headers_and_keys_follow_the_pool():
         pool = KVPool(PageLayout("nvfp4", **GEOM), 4)
         pool.set_recipe_params(_params(seed=seed))
         pools.append(pool)
-    tms = [TierManager(p, RadixCache(16, p), "fp", None, None) for p in pools]
+    tms = [TierManager(p, RadixCache(16, p), "fp", None, None, secret=SECRET) for p in pools]
     try:
         assert tms[0].header().recipe == pools[0].recipe_digest != tms[1].header().recipe
         tokens = list(range(32))

@@ -15,7 +15,9 @@ Failure contract (the request path never fails because of storage):
   miss for that item; the backend stays up.
 * Bad arguments (keys that are not bytes, values that are not byte buffers)
   are programming errors and raise ``StorageArgumentError``.
-* Values larger than ``max_value_bytes`` are refused: not stored, counted.
+* Values larger than ``max_value_bytes`` are refused: not stored, counted; a
+  stored value read back larger than that (planted by someone else) is a miss,
+  counted in ``oversized_reads``.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ T = TypeVar("T")
 
 _COUNTERS = ("ops", "ops_put", "ops_get", "ops_exists", "ops_delete", "ops_clear",
              "pages_written", "bytes_written", "hits", "misses", "bytes_read", "deleted",
-             "refused", "errors", "skipped", "reconnects")
+             "refused", "oversized_reads", "errors", "skipped", "reconnects")
 
 
 class StorageArgumentError(NibbleError, ValueError):
@@ -181,7 +183,12 @@ class StorageBackend(ABC):
         if not keys:
             return []
         out = self._call("get", self._get, keys, None) or [None] * len(keys)
+        big = [i for i, v in enumerate(out) if v is not None and len(v) > self.max_value_bytes]
+        for i in big:
+            out[i] = None
         hits = [v for v in out if v is not None]
+        if big:
+            self._count(oversized_reads=len(big))
         self._count(hits=len(hits), misses=len(out) - len(hits),
                     bytes_read=sum(len(v) for v in hits))
         return out

@@ -9,24 +9,49 @@ page checksum and is recomputed.
 The LRU index (key -> size, least recently used first) lives in memory; it is
 rebuilt from the directory at start, ordered by mtime, and a read touches the
 file's mtime so the order survives a restart. One process owns a directory.
+
+Nothing in the directory is trusted: it is created 0700 (tightened if looser),
+records are written 0600, and a read opens the file without following links,
+refusing anything that is not a regular file or is larger than
+``max_value_bytes`` (a link to ``/dev/zero``, a FIFO, a huge planted file).
+The records themselves are authenticated by the tier worker (``page_record``).
+``max_bytes`` bounds the total: the least recently used records are evicted
+to make room, and a single record larger than the budget is refused.
 """
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
 import re
 import secrets
+import stat
 import threading
 import time
 from collections import OrderedDict
 from pathlib import Path
 
+from nibble.kernels.errors import NibbleError
+
 from .base import (DEFAULT_MAX_VALUE_BYTES, StorageArgumentError, StorageBackend, Value,
                    register_storage_backend)
 
+log = logging.getLogger(__name__)
 TMP_PREFIX = ".tmp-"
+DIR_MODE, FILE_MODE = 0o700, 0o600
 STALE_TMP_S = 60.0  # temp files older than this at start are leftovers of a crash
 _KEY_NAME = re.compile(r"(?:[0-9a-f]{2})+")
+
+
+class RefusedFileError(NibbleError):
+    """A record file is not a regular file within the size limit (counted, treated as a miss)."""
+
+
+# Per-file failures from something planted at a record's path: a symbolic link (O_NOFOLLOW
+# gives ELOOP), a socket (ENXIO), a file we may not read. They refuse that file only.
+_PLANTED_ERRNOS = (errno.ELOOP, errno.ENXIO, errno.EACCES, errno.EPERM, errno.EISDIR,
+                   errno.ENOTEMPTY, errno.EEXIST)
 
 
 @register_storage_backend("file")
@@ -78,13 +103,25 @@ class FileStorage(StorageBackend):
                     if _KEY_NAME.fullmatch(e.name) and e.name[:2] == f"{shard:02x}" \
                             and e.is_file(follow_symlinks=False):
                         st = e.stat(follow_symlinks=False)
+                        if st.st_mode & 0o077:
+                            os.chmod(e.path, FILE_MODE)
                         found.append((st.st_mtime_ns, bytes.fromhex(e.name), st.st_size))
         return found
 
+    @staticmethod
+    def _private_dir(path: Path) -> None:
+        """Create ``path`` (mode 0700), or tighten an existing one that is looser."""
+        path.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+        mode = stat.S_IMODE(path.stat().st_mode)
+        if mode & 0o077:
+            log.warning("L3 directory %s had mode %o; setting 0700", path, mode)
+            os.chmod(path, DIR_MODE)
+
     def _reconnect(self) -> None:
         """Create the shard directories and rebuild the index from what is on disk."""
+        self._private_dir(self.root)
         for shard in range(256):
-            (self.root / f"{shard:02x}").mkdir(parents=True, exist_ok=True)
+            self._private_dir(self.root / f"{shard:02x}")
         found = sorted(self._scan())
         with self._ilock:
             self._index = OrderedDict((k, size) for _, k, size in found)
@@ -109,7 +146,8 @@ class FileStorage(StorageBackend):
         """Write ``value`` to a fresh temp file beside ``final``; return its path."""
         tmp = final.with_name(f"{TMP_PREFIX}{final.name}.{secrets.token_hex(4)}")
         try:
-            with open(tmp, "xb") as f:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, FILE_MODE)
+            with os.fdopen(fd, "wb") as f:
                 f.write(value)
                 if self.fsync:
                     f.flush()
@@ -122,20 +160,26 @@ class FileStorage(StorageBackend):
     # ------------------------------------------------------------ hooks
 
     def _put(self, items: list[tuple[bytes, Value]]) -> list[bool]:
+        flags = []
         for key, value in items:
             final = self._path(key)
             tmp = self._write_temp(final, value)
             with self._ilock:
                 try:
                     os.replace(tmp, final)
-                except BaseException:
+                except BaseException as e:
                     tmp.unlink(missing_ok=True)
-                    raise
+                    if not (isinstance(e, OSError) and e.errno in _PLANTED_ERRNOS):
+                        raise
+                    self._soft_error(e)            # a directory planted at this record's path
+                    flags.append(False)
+                    continue
                 self._drop_locked(key)
                 self._index[key] = len(value)
                 self._used += len(value)
                 self._evict_locked()
-        return [True] * len(items)
+            flags.append(True)
+        return flags
 
     def _get(self, keys: list[bytes]) -> list[bytes | None]:
         out: list[bytes | None] = []
@@ -145,9 +189,16 @@ class FileStorage(StorageBackend):
                 continue
             path = self._path(key)
             try:
-                data = path.read_bytes()
-                os.utime(path)
+                data = self._read_record(path)
             except FileNotFoundError:  # evicted meanwhile, or removed behind our back
+                data = None
+            except (RefusedFileError, OSError) as e:
+                if isinstance(e, OSError) and e.errno not in _PLANTED_ERRNOS:
+                    raise                                  # the disk itself: tier down
+                self._soft_error(e)                        # a link, FIFO, device or huge file
+                self._remove_planted(path)
+                data = None
+            if data is None:
                 with self._ilock:
                     self._drop_locked(key)
                 out.append(None)
@@ -157,6 +208,27 @@ class FileStorage(StorageBackend):
                     self._index.move_to_end(key)
             out.append(data)
         return out
+
+    @staticmethod
+    def _remove_planted(path: Path) -> None:
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as e:               # a directory, or not ours to remove: leave it
+            log.warning("cannot remove %s from the L3 directory: %s", path, e)
+
+    def _read_record(self, path: Path) -> bytes:
+        """The file's bytes, if it is a regular file of at most ``max_value_bytes``."""
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size > self.max_value_bytes:
+                raise RefusedFileError(f"{path.name}: not a regular file of at most "
+                                       f"{self.max_value_bytes} bytes")
+            data = f.read(self.max_value_bytes + 1)
+        if len(data) > self.max_value_bytes:
+            raise RefusedFileError(f"{path.name}: grew past {self.max_value_bytes} bytes")
+        os.utime(path, follow_symlinks=False)
+        return data
 
     def _exists(self, keys: list[bytes]) -> list[bool]:
         with self._ilock:

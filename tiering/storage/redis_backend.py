@@ -9,6 +9,10 @@ when it is next checked out.
 
 Prefixes of different backends sharing one Redis must not be prefixes of one
 another; ``clear`` deletes only keys of the form ``prefix + <lowercase hex>``.
+
+The password can be given apart from the URL (``password=``; the server reads it
+from ``--hicache-storage-password-file`` or ``$NIBBLE_HICACHE_STORAGE_PASSWORD``),
+so it need not appear in argv or in the URL shown by info routes.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import os
 import re
 from itertools import islice
+from urllib.parse import urlsplit
 from typing import Iterable, Iterator
 
 import redis
@@ -42,8 +47,9 @@ class RedisStorage(StorageBackend):
     Options: ``ttl_s`` (expire keys after that many seconds, None: never),
     ``socket_timeout``/``connect_timeout`` (seconds; a stall longer than that
     marks the tier down), ``pipeline_chunk`` (commands per round trip),
-    ``client_name`` (CLIENT SETNAME on every connection), ``max_value_bytes``,
-    ``backoff_base_s``/``backoff_max_s`` (reconnect backoff).
+    ``client_name`` (CLIENT SETNAME on every connection), ``password`` (AUTH; not
+    together with one in the URL), ``max_value_bytes``, ``backoff_base_s``/``backoff_max_s``
+    (reconnect backoff).
     """
 
     _down_errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
@@ -53,6 +59,7 @@ class RedisStorage(StorageBackend):
                  ttl_s: float | None = None, *, max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES,
                  socket_timeout: float = 2.0, connect_timeout: float = 1.0,
                  pipeline_chunk: int = 256, client_name: str | None = None,
+                 password: str | None = None,
                  backoff_base_s: float = 0.1, backoff_max_s: float = 10.0):
         super().__init__(max_value_bytes=max_value_bytes, backoff_base_s=backoff_base_s,
                          backoff_max_s=backoff_max_s)
@@ -66,11 +73,21 @@ class RedisStorage(StorageBackend):
         self._prefix_b = prefix.encode()
         self._ttl_ms = None if ttl_s is None else max(1, int(ttl_s * 1000))
         self.client_name = client_name or f"nibble-l3-{os.getpid()}-{id(self):x}"
+        auth = {}
+        if password:
+            try:
+                in_url = urlsplit(url).password
+            except ValueError:
+                in_url = None
+            if in_url:
+                raise StorageArgumentError("the Redis password is given twice: in the URL and "
+                                           "apart from it; keep it out of the URL")
+            auth["password"] = password
         try:
             self._client = redis.Redis.from_url(
                 url, socket_timeout=socket_timeout, socket_connect_timeout=connect_timeout,
-                client_name=self.client_name, retry=Retry(NoBackoff(), 0))
-        except ValueError as e:
+                client_name=self.client_name, retry=Retry(NoBackoff(), 0), **auth)
+        except ValueError as e:      # redis-py's message names the problem, not the URL
             raise StorageArgumentError(f"bad Redis URL: {e}") from None
         try:
             self._client.ping()

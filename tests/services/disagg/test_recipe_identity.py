@@ -11,6 +11,7 @@ from nibble.services.disagg.orchestrator import check_same_kv_identity  # noqa: 
 from nibble.services.disagg.router import Router  # noqa: E402
 from nibble.services.errors import ConfigError  # noqa: E402
 from nibble.tiering.page_record import chain_keys, namespace_root  # noqa: E402
+from nibble.tiering.secret import KVSecret  # noqa: E402
 
 LAYOUT = dict(kv_format="nvfp4", num_layers=2, num_kv_heads=2, head_dim=16, page_size=16)
 
@@ -34,6 +35,8 @@ def test_router_keys_include_the_parameters():
     layout = PageLayout(**LAYOUT)
     tokens = list(range(32))
     for recipe in ("", "abcd"):
-        router = Router.for_model("fp", layout, recipe=recipe)
-        want = chain_keys(namespace_root("fp", layout, "", recipe), tokens, 16)
-        assert chain_keys(router._root_fn(""), tokens, 16) == want
+        secret = KVSecret("identity-tests-secret-0123456789")
+        router = Router.for_model("fp", layout, recipe=recipe, secret=secret)
+        want = chain_keys(namespace_root("fp", layout, "", recipe, secret=secret), tokens, 16,
+                          secret=secret)
+        assert chain_keys(router._root_fn(""), tokens, 16, secret=secret) == want

@@ -13,9 +13,11 @@ from nibble.services.disagg.router import (NoWorkerAvailableError, RouteDecision
 from nibble.services.errors import ConfigError
 from nibble.tiering.events import KVEvent, KVEventLog
 from nibble.tiering.page_record import chain_keys, namespace_root
+from nibble.tiering.secret import KVSecret
 
 PS = 4
 PROMPT = list(range(100, 141))        # 41 tokens: 10 usable pages (the 11th holds the last token)
+SECRET = KVSecret("router-tests-secret-0123456789")
 
 
 def root(ns: str) -> bytes:
@@ -23,7 +25,7 @@ def root(ns: str) -> bytes:
 
 
 def keys(n: int, ns: str = "", tokens=PROMPT) -> list[str]:
-    return [k.hex() for k in chain_keys(root(ns), tokens[:n * PS], PS)]
+    return [k.hex() for k in chain_keys(root(ns), tokens[:n * PS], PS, secret=SECRET)]
 
 
 def ev(kind: str, tier: str, ks: list[str], seq: int = 1) -> dict:
@@ -31,7 +33,7 @@ def ev(kind: str, tier: str, ks: list[str], seq: int = 1) -> dict:
 
 
 def make(decode=("A", "B"), prefill=("P",), **cfg) -> Router:
-    r = Router(root, RouterConfig(**cfg))
+    r = Router(root, RouterConfig(**cfg), secret=SECRET)
     for w in decode:
         r.add_worker(w, "decode")
     for w in prefill:
@@ -238,11 +240,12 @@ def test_events_from_a_tier_manager_log_match_the_routers_keys():
     layout = PageLayout("nvfp4", num_layers=2, num_kv_heads=2, head_dim=64, page_size=16)
     tokens = list(range(1000, 1100))  # 99 // 16 = 6 usable pages
     log = KVEventLog()
-    log.emit("stored", "l1", chain_keys(namespace_root("fp-1", layout, "t"), tokens[:64], 16))
-    log.emit("stored", "l2", chain_keys(namespace_root("fp-1", layout, "t"), tokens[:96], 16)[4:])
+    root = namespace_root("fp-1", layout, "t", secret=SECRET)
+    log.emit("stored", "l1", chain_keys(root, tokens[:64], 16, secret=SECRET))
+    log.emit("stored", "l2", chain_keys(root, tokens[:96], 16, secret=SECRET)[4:])
     events, lost = log.since(0)
     assert isinstance(events[0], KVEvent) and not lost
-    r = Router.for_model("fp-1", layout)
+    r = Router.for_model("fp-1", layout, secret=SECRET)
     r.add_worker("A", "decode")
     r.add_worker("B", "decode")
     r.add_worker("P", "prefill")
@@ -250,10 +253,14 @@ def test_events_from_a_tier_manager_log_match_the_routers_keys():
     r.apply_poll("B", {"events": [e.__dict__ for e in events[:1]], "last_seq": 2, "lost": False})
     d = r.choose("t", tokens, 16)
     assert (d.decode_worker, d.prefix_pages, d.load_pages, d.skip_prefill) == ("A", 6, 2, True)
-    other = Router.for_model("fp-2", layout)                       # another model: no hit
+    other = Router.for_model("fp-2", layout, secret=SECRET)        # another model: no hit
     other.add_worker("A", "decode")
     other.apply_events("A", events)
     assert other.choose("t", tokens, 16).prefix_pages == 0
+    stranger = Router.for_model("fp-1", layout, secret=KVSecret.generate())  # another secret
+    stranger.add_worker("A", "decode")
+    stranger.apply_events("A", events)
+    assert stranger.choose("t", tokens, 16).prefix_pages == 0
 
 
 def test_a_restarted_event_log_resets_the_view():

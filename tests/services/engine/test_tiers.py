@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -23,14 +24,15 @@ from .test_engine import PROMPT, alone, greedy, run_all
 
 
 def tiered_engine(model, tmp_path, kv="bf16", write="write_through", prefetch="wait_complete",
-                  num_pages=32, host_pages=64, storage=True, **policy):
+                  num_pages=32, host_pages=64, storage=True, clock=None, **policy):
     a = model.arch
     layout = PageLayout(kv, a.num_layers, a.num_kv_heads, a.head_dim, 16)
     pool = KVPool(layout, num_pages)
     cache = RadixCache(16, pool)
     store = create_storage_backend("file", str(tmp_path / "l3")) if storage else None
     tiers = TierManager(pool, cache, "test-model", HostPool(layout, host_pages), store,
-                        TierPolicy(write, prefetch, **{"l3_latency_s": 0.0, **policy}))
+                        TierPolicy(write, prefetch, **{"l3_latency_s": 0.0, **policy}),
+                        **({"clock": clock} if clock else {}))
     backend = TorchAttentionBackend(pool, a.sm_scale)
     eng = EngineCore(ModelRunner(model, backend, torch.device("cpu")), pool, CharTokenizer(),
                      SchedulerConfig(), a.max_position_embeddings, cache, tiers)
@@ -119,13 +121,52 @@ def test_slow_tier_is_skipped_for_recompute(bf16_model, tmp_path):
     assert eng.tiers.stats()["prefetch_skipped_slow"] == before + 1   # decided once per request
 
 
-def test_best_effort_prefetch_does_not_block_admission(bf16_model, tmp_path):
-    eng = tiered_engine(bf16_model, tmp_path, prefetch="best_effort")
+def test_best_effort_uses_the_pages_it_reads_on_an_idle_server(bf16_model, tmp_path):
+    """Issue 14, finding 12: best_effort read L3 pages, then admitted the request before
+    they arrived, so an idle server recomputed them (l3 hits 0, reads > 0)."""
+    eng = tiered_engine(bf16_model, tmp_path, prefetch="best_effort", prefetch_timeout_s=60.0)
     run_all(eng, [greedy("a", n=4)])
     settle(eng, lambda: eng.tiers.stats()["l3_written"] >= 4)
     eng.cache.flush()
     eng.tiers.host.clear()
+    eng.tiers.prefill_tok_s = 1.0          # recomputing looks slow: loading is worth a wait
+    b = run_all(eng, [greedy("b", n=4)])["b"]
+    stats = eng.tiers.stats()
+    assert b[3].cached_by_tier == {"l1": 0, "l2": 0, "l3": 64}
+    assert stats["l3_read"] == stats["l3_hit_pages"] == 4
+
+
+class GatedStore:
+    """A storage backend whose reads wait until ``gate`` is set."""
+
+    def __init__(self, inner):
+        self.inner, self.gate = inner, threading.Event()
+
+    def get_batch(self, keys):
+        assert self.gate.wait(10)
+        return self.inner.get_batch(keys)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_best_effort_holds_a_request_no_longer_than_recomputing_takes(bf16_model, tmp_path):
+    now = [0.0]
+    eng = tiered_engine(bf16_model, tmp_path, prefetch="best_effort", clock=lambda: now[0])
+    run_all(eng, [greedy("a", n=4)])
+    settle(eng, lambda: eng.tiers.stats()["l3_written"] >= 4)
+    eng.cache.flush()
+    eng.tiers.host.clear()
+    gated = eng.tiers.storage = eng.tiers.worker.storage = GatedStore(eng.tiers.storage)
     eng.add_request(greedy("b", n=4))
-    eng.step()                                       # admitted at once, whatever has arrived
-    assert eng.num_running() == 1
-    run_all(eng, [])
+    eng.add_request(greedy("c", [(5 * i) % 90 + 1 for i in range(12)], n=4))  # < 1 page
+    eng.step()
+    assert [s.request_id for s in eng.scheduler.running] == ["c"]   # b waits; c goes first
+    now[0] += eng.tiers._recompute_s(4) + 1e-3                      # waiting no longer pays
+    eng.step()
+    assert {s.request_id for s in eng.scheduler.running} == {"b", "c"}
+    gated.gate.set()
+    out = run_all(eng, [])
+    assert out["b"][3].cached_tokens == 0 and out["b"][3].completion_tokens == 4
+    assert eng.tiers.stats()["l3_read"] == 4      # read too late for b: kept in L2 for later
+    assert len(eng.tiers.host) >= 4

@@ -15,11 +15,14 @@ import torch
 
 from nibble.kernels import PageLayout
 from nibble.tiering import KVPool
-from nibble.tiering.page_record import PageHeader, chain_keys, encode_page, namespace_root
+from nibble.tiering.page_record import (PageHeader, chain_keys, decode_page, encode_page,
+                                        namespace_root)
+from nibble.tiering.secret import KVSecret
 from nibble.tiering.storage import FileStorage, RedisStorage
 
 from tests.redis_fixtures import RedisServer, free_port, wait_for  # noqa: F401 (used by tests)
 FAST_BACKOFF = dict(backoff_base_s=0.05, backoff_max_s=0.2)
+SECRET = KVSecret("storage-tests-secret-0123456789")
 
 
 @pytest.fixture
@@ -64,10 +67,15 @@ class Pages:
     header: PageHeader
     keys: list[bytes]
     records: list[bytes]
+    secret: KVSecret = SECRET
 
     @property
     def items(self) -> list[tuple[bytes, bytes]]:
         return list(zip(self.keys, self.records))
+
+    def decode(self, i: int, blob: bytes, header: PageHeader | None = None) -> memoryview:
+        """``decode_page`` of ``blob`` read under page ``i``'s key."""
+        return decode_page(blob, header or self.header, key=self.keys[i], secret=self.secret)
 
 
 def make_pages(kv_format: str, n: int, seed: int = 0, **geom) -> Pages:
@@ -80,9 +88,9 @@ def make_pages(kv_format: str, n: int, seed: int = 0, **geom) -> Pages:
     pool.pages.copy_(torch.randint(0, 256, pool.pages.shape, dtype=torch.uint8, generator=g))
     header = PageHeader.for_pool(layout, pool.scale_version, pool.global_scales)
     tokens = torch.randint(0, 50_000, (n * layout.page_size,), generator=g).tolist()
-    keys = chain_keys(namespace_root("test-model", layout, f"tenant-{seed}"), tokens,
-                      layout.page_size)
-    records = [encode_page(header, pool.pages[i]) for i in range(n)]
+    root = namespace_root("test-model", layout, f"tenant-{seed}", secret=SECRET)
+    keys = chain_keys(root, tokens, layout.page_size, secret=SECRET)
+    records = [encode_page(header, pool.pages[i], key=keys[i], secret=SECRET) for i in range(n)]
     return Pages(layout, pool, header, keys, records)
 
 

@@ -3,7 +3,7 @@
 import pytest
 import redis
 
-from nibble.tiering.page_record import PageRecordError, decode_page
+from nibble.tiering.page_record import PageRecordError
 from nibble.tiering.storage import RedisStorage
 
 from .conftest import FAST_BACKOFF, free_port, wait_for
@@ -52,7 +52,7 @@ def test_clear_leaves_every_foreign_key(make_backend, raw_redis, redis_prefix, p
     assert [raw_redis.get(k) for k in foreign] == [b"keep"] * len(foreign)
 
 
-def test_corrupted_value_is_returned_and_rejected_by_its_checksum(make_backend, raw_redis, pages):
+def test_corrupted_value_is_returned_and_rejected_by_its_tag(make_backend, raw_redis, pages):
     store = make_backend("redis")
     p = pages("nvfp4", 2)
     store.put_batch(p.items)
@@ -62,10 +62,11 @@ def test_corrupted_value_is_returned_and_rejected_by_its_checksum(make_backend, 
     raw_redis.set(store.prefix + p.keys[1].hex(), p.records[1][:20])  # truncated
     bad, short = store.get_batch(p.keys)
     assert len(bad) == len(p.records[0]) and bad != p.records[0]
-    with pytest.raises(PageRecordError, match="checksum"):
-        decode_page(bad, p.header)
+    with pytest.raises(PageRecordError, match="authenticate") as err:
+        p.decode(0, bad)
+    assert err.value.reason == "auth"
     with pytest.raises(PageRecordError, match="truncated"):
-        decode_page(short, p.header)
+        p.decode(1, short)
     assert store.health().state == "up"
 
 

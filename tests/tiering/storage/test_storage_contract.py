@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from nibble.tiering import KVPool
-from nibble.tiering.page_record import PageRecordError, decode_page
+from nibble.tiering.page_record import PageRecordError
 from nibble.tiering.storage import (FileStorage, RedisStorage, StorageArgumentError,
                                     StorageBackend, create_storage_backend,
                                     register_storage_backend, storage_backend_names)
@@ -24,7 +24,7 @@ def test_real_pages_come_back_bit_identical(backend, pages, fmt):
     dest.set_global_scales(p.pool.global_scales)
     assert dest.scale_version == p.header.scale_version
     for i, blob in enumerate(blobs):
-        payload = decode_page(blob, p.header)
+        payload = p.decode(i, blob)
         dest.pages[5 - i].view(-1).copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
     assert torch.equal(dest.pages.flip(0), p.pool.pages)
     for layer in range(p.layout.num_layers):
@@ -36,7 +36,7 @@ def test_real_pages_come_back_bit_identical(backend, pages, fmt):
 
     # A pool whose global scales moved on (another version) refuses the record.
     with pytest.raises(PageRecordError):
-        decode_page(blobs[0], replace(p.header, scale_version=p.header.scale_version + 1))
+        p.decode(0, blobs[0], replace(p.header, scale_version=p.header.scale_version + 1))
 
 
 def test_batches_keep_order_with_missing_keys(backend, pages):
