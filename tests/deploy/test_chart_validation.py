@@ -162,7 +162,10 @@ def test_install_notes_render_without_a_cluster():
     notes = out.split("NOTES:", 1)[1]
     assert "port-forward svc/nibble 30000:30000" in notes
     assert "port-forward svc/nibble-grpc 30001:30001" in notes
-    assert "WARNING: no API key" in notes
+    assert "the chart generated one key" in notes and "answer only\nloopback clients" in notes
     keyed = run_helm("install", "nibble", str(CHART), "--dry-run=client",
                      "--set", "auth.apiKeys[0]=test-api-key-0001").stdout
-    assert "WARNING: no API key" not in keyed.split("NOTES:", 1)[1]
+    assert "generated" not in keyed.split("NOTES:", 1)[1]
+    open_ = run_helm("install", "nibble", str(CHART), "--dry-run=client",
+                     "--set", "auth.allowUnauthenticated=true").stdout
+    assert "WARNING: auth.allowUnauthenticated" in open_.split("NOTES:", 1)[1]
