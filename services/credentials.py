@@ -16,9 +16,10 @@ Whatever config is shown (``/get_server_info``, gRPC GetServerInfo) goes
 through ``redact_urls``: the user-info part and credential-like query
 parameters of every URL in it are replaced by ``<redacted>``.
 
-A secret file readable by group or others is accepted with a warning (a
-Kubernetes Secret volume is 0644 by default unless ``defaultMode`` says
-otherwise; the chart sets 0400).
+A secret file that others can read, or that group or others can write, is
+accepted with a warning (a Kubernetes Secret volume is 0644 by default unless
+``defaultMode`` says otherwise; the chart sets 0400, to which the kubelet adds
+group read for the pod's ``fsGroup``, so group read alone is not warned about).
 """
 
 from __future__ import annotations
@@ -59,8 +60,8 @@ def read_secret_file(path: str, flag: str) -> str:
         raise ConfigError(f"{flag} {path}: cannot read it ({e.strerror or e})") from None
     except UnicodeDecodeError:
         raise ConfigError(f"{flag} {path}: not UTF-8 text") from None
-    if st.st_mode & 0o077:
-        log.warning("%s %s is readable by group or others (mode %o); chmod 600 it",
+    if st.st_mode & 0o027:
+        log.warning("%s %s is open to other users (mode %o); chmod 600 it",
                     flag, path, stat.S_IMODE(st.st_mode))
     return text
 

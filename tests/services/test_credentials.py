@@ -69,3 +69,19 @@ def test_the_storage_password_comes_from_a_file_or_the_environment(tmp_path):
         load_storage_password(str(path), {})
     with pytest.raises(ConfigError, match="password-file is for"):
         parse(["--hicache-storage-backend", "file", "--hicache-storage-password-file", "x"])
+
+
+@pytest.mark.parametrize("mode,warned", [(0o600, False), (0o400, False), (0o440, False),
+                                         (0o640, False), (0o644, True), (0o660, True),
+                                         (0o604, True)])
+def test_secret_file_modes_that_warn(tmp_path, caplog, mode, warned):
+    """Group read is what a Kubernetes Secret with fsGroup gets; others' read or anyone
+    else's write is warned about."""
+    from nibble.services.credentials import read_secret_file
+
+    path = tmp_path / "key"
+    path.write_text("k" * 20)
+    path.chmod(mode)
+    with caplog.at_level("WARNING", logger="nibble.services.credentials"):
+        assert read_secret_file(str(path), "--api-key-file") == "k" * 20
+    assert ("open to other users" in caplog.text) == warned
