@@ -26,5 +26,7 @@ setup(
     packages=packages,
     package_dir=package_dir,
     package_data={"nibble.proto": ["**/*.proto"], "nibble.services": ["**/*.jinja"],
-                  "nibble.bench": ["models/*/config.json"]},
+                  "nibble.bench": ["models/*/config.json"],
+                  # the CUDA C++ that nibble.kernels.cuda builds on first use
+                  "nibble.kernels.cuda": ["csrc/*.cu", "csrc/*.cuh", "csrc/*.cpp"]},
 )

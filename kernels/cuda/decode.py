@@ -1,10 +1,10 @@
 """NVFP4 and FP8 paged decode attention in CUDA C++ for Hopper (sm_90a), built on first use.
 
-The kernel (see :mod:`._sources`) converts E2M1 codes (NVFP4) or E4M3 bytes (FP8)
-in registers and runs ``mma.sync`` fp16 MMAs; a small reduce kernel combines the
-splits. Nothing is compiled at import: :func:`decode_attention_cuda` checks its
-arguments first and builds the extension (``torch.utils.cpp_extension.load_inline``,
-about 30 s) on its first valid call.
+The kernel (``csrc/decode.cu``, design notes at its top) converts E2M1 codes (NVFP4) or
+E4M3 bytes (FP8) in registers and runs ``mma.sync`` fp16 MMAs; a small reduce kernel
+combines the splits. Nothing is compiled at import: :func:`decode_attention_cuda` checks
+its arguments first and builds the extension (``torch.utils.cpp_extension.load`` over the
+files in ``csrc/``, see :mod:`._sources`; about 30 s) on its first valid call.
 
 The launch reads every length on the device and its grid depends only on
 host-known shapes, so it is CUDA-graph safe.
@@ -13,8 +13,6 @@ host-known shapes, so it is CUDA-graph safe.
 from __future__ import annotations
 
 import functools
-import hashlib
-import inspect
 import os
 
 import torch
@@ -22,7 +20,7 @@ import torch
 from ..errors import KernelInputError
 from ..layout import LayerPages, PageLayout
 from ..triton._common import check_block_tables, check_pages, scale_tensor
-from ._sources import CPP_SRC, CUDA_SRC
+from . import _sources
 
 LOG2E = 1.4426950408889634
 HEAD_DIM = 128
@@ -46,7 +44,9 @@ DEFAULT_FP8_VARIANT = 110602  # equal to 110403 in sum over the benchmark cases,
                                # at 64 x 4096, 2% slower at 32 x 32768 (H200)
 FORMATS = ("nvfp4", "fp8_e4m3")
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_SOURCE_TAG = hashlib.sha1((CUDA_SRC + CPP_SRC).encode()).hexdigest()[:10]
+# Passed to nvcc as -D defines; csrc/tile.cuh asserts they equal the kernel's constants.
+KERNEL_CONSTANTS = {"NIBBLE_HEAD_DIM": HEAD_DIM, "NIBBLE_WARPS_PER_CTA": WARPS_PER_CTA,
+                    "NIBBLE_MAX_GROUP": MAX_GROUP}
 
 
 def is_built() -> bool:
@@ -57,16 +57,9 @@ def is_built() -> bool:
 @functools.lru_cache(maxsize=1)
 def _module():
     """Compile (or load from torch's extension cache) the CUDA extension."""
-    from torch.utils.cpp_extension import load_inline
-    kwargs = dict(
-        name=f"nibble_nvfp4_decode_{_SOURCE_TAG}", cpp_sources=[CPP_SRC],
-        cuda_sources=[CUDA_SRC], functions=["decode", "occupancy", "store"],
-        extra_cflags=["-O2"],
-        extra_cuda_cflags=["-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a"],
-        verbose=os.environ.get("NIBBLE_CUDA_VERBOSE") == "1")
-    if "no_implicit_headers" in inspect.signature(load_inline).parameters:
-        kwargs["no_implicit_headers"] = True  # our .cu includes no torch header: faster build
-    return load_inline(**kwargs)
+    from torch.utils import cpp_extension
+    return cpp_extension.load(**_sources.load_kwargs(
+        KERNEL_CONSTANTS, verbose=os.environ.get("NIBBLE_CUDA_VERBOSE") == "1"))
 
 
 @functools.lru_cache(maxsize=None)
@@ -204,7 +197,7 @@ def decode_attention_cuda(layout: PageLayout, pages: LayerPages, q: torch.Tensor
     part_o = torch.empty((nb, hq, nsplit, d), dtype=torch.float32, device=device)
     part_ml = torch.empty((nb, hq, nsplit, 2), dtype=torch.float32, device=device)
     tpp_log2 = (layout.page_size // 16).bit_length() - 1
-    # NVFP4 operands are value * 2^-7 (see _sources); FP8 ones are exact. FP8 pages have no
+    # NVFP4 operands are value * 2^-7 (see csrc/decode.cu); FP8 ones are exact. FP8 pages have no
     # scale sections: the kernel never reads the scale pointers then.
     ks = pages.k_data if fp8 else pages.k_scale
     vs = pages.k_data if fp8 else pages.v_scale

@@ -1,6 +1,6 @@
 """NVFP4 quantize-and-store in CUDA C++ for Hopper (sm_90a), bit-identical to the reference.
 
-The kernel (:mod:`._src_store`) lives in the same extension as the decode kernel and is
+The kernel (``csrc/store.cu``) lives in the same extension as the decode kernel and is
 built with it on first use. It writes exactly the bytes of
 :func:`nibble.kernels.paged_ref.store_kv_ref` (and of the portable Triton
 :func:`nibble.kernels.triton.store_kv`) for NVFP4 pages, from bf16 or FP8 E4M3 K/V.

@@ -1,23 +1,22 @@
-"""Device code of the NVFP4 quantize-and-store kernel (CUDA C++, sm_90a).
+// NVFP4 quantize-and-store kernel (sm_90a), in the same extension as the decode kernel.
+//
+// One thread per 16-value block of one (token, KV head) row, for K and for V (both loads
+// are issued before any math). Bit-identical to nibble.kernels.nvfp4.quantize_nvfp4 (the
+// reference):
+//
+// * scale = e4m3(amax / 6 / gs) with two IEEE divisions and cvt.rn.satfinite (RNE,
+//   saturating at 448, as the reference's clamp-and-cast);
+// * inv = 1 / (float(scale) * gs) (IEEE division), clamped to the largest finite fp32, 0
+//   for a zero scale;
+// * per value q = x * inv (fp32, not contracted) and the E2M1 code of |q| as the smallest
+//   of three roundings at 2^22, where the fp32 ulp is 0.5 and addition rounds to nearest
+//   even: |q| + 2^22 (to multiples of 0.5: codes 0-4), fma(|q|, 0.5, 2^22 + 1) (to 1:
+//   codes 4-6), fma(|q|, 0.25, 2^22 + 2) (to 2: codes 6-7) and 2^22 + 3.5 (saturation);
+//   the code is the low 3 bits, the sign the IEEE sign bit of q.
+//
+// Inputs are bf16 (widened by shifts) or FP8 E4M3 (cvt.rn.f16x2.e4m3x2, exact).
+#include "fp8.cuh"
 
-One thread per 16-value block of one (token, KV head) row, for K and for V (both
-loads are issued before any math). Bit-identical to
-:func:`nibble.kernels.nvfp4.quantize_nvfp4` (the reference):
-
-* ``scale = e4m3(amax / 6 / gs)`` with two IEEE divisions and ``cvt.rn.satfinite``
-  (RNE, saturating at 448, as the reference's clamp-and-cast);
-* ``inv = 1 / (float(scale) * gs)`` (IEEE division), clamped to the largest finite
-  fp32, 0 for a zero scale;
-* per value ``q = x * inv`` (fp32, not contracted) and the E2M1 code of ``|q|`` as the
-  smallest of three roundings at 2^22, where the fp32 ulp is 0.5 and addition rounds to
-  nearest even: ``|q| + 2^22`` (to multiples of 0.5: codes 0-4), ``fma(|q|, 0.5, 2^22 +
-  1)`` (to 1: codes 4-6), ``fma(|q|, 0.25, 2^22 + 2)`` (to 2: codes 6-7) and ``2^22 +
-  3.5`` (saturation); the code is the low 3 bits, the sign the IEEE sign bit of ``q``.
-
-Inputs are bf16 (widened by shifts) or FP8 E4M3 (``cvt.rn.f16x2.e4m3x2``, exact).
-"""
-
-STORE_SRC = r"""
 namespace nibble_nvfp4 {
 
 __device__ __forceinline__ void widen_bf16(const uint4 (&w)[2], float (&x)[16]) {
@@ -119,4 +118,3 @@ void launch_store(const StoreParams& p, void* stream) {
 }
 
 }  // namespace nibble_nvfp4
-"""

@@ -1,15 +1,15 @@
-"""Device code, part 2: ``cp.async`` rings, the softmax step shared by all formats, the
-NVFP4 format policy and the tile loops, generic over a format policy.
+// Device code, part 2: cp.async rings, the softmax step shared by all formats, the NVFP4
+// format policy and the tile loops, generic over a format policy.
+//
+// A format policy F (Nvfp4Fmt<DQ> here, Fp8Fmt in fp8.cuh) gives: kStage (ring bytes per
+// 16-token tile), LaneT and lane_of (per-lane byte offsets, global and in a stage), issue
+// (the cp.async copies of one tile into a ring stage) and one<MASK> / pair<MASK> (one or two
+// tiles of math from ring stages). The kernel design is described at the top of decode.cu.
+#pragma once
+#include "tile.cuh"
 
-A *format policy* ``F`` (``Nvfp4Fmt<DQ>`` here, ``Fp8Fmt`` in :mod:`._src_fp8`) gives:
-``kStage`` (ring bytes per 16-token tile), ``LaneT`` and ``lane_of`` (per-lane byte
-offsets, global and in a stage), ``issue`` (the ``cp.async`` copies of one tile into a
-ring stage) and ``one<MASK>`` / ``pair<MASK>`` (one or two tiles of math from ring stages).
+namespace nibble_nvfp4 {
 
-Concatenated after :mod:`._src_tile`; see :mod:`._sources` for the design.
-"""
-
-PIPE_SRC = r"""
 // ---- cp.async helpers
 __device__ __forceinline__ void cp16(uint32_t dst, const uint8_t* src) {
   asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" :: "r"(dst), "l"(src));
@@ -219,4 +219,5 @@ __device__ __forceinline__ void warp_pairs_pipe(const Params& p, int b, int h, i
   }
   cp_wait<0>();
 }
-"""
+
+}  // namespace nibble_nvfp4

@@ -1,29 +1,30 @@
-"""Device code, part 3: the FP8 E4M3 format policy (``Fp8Fmt``) of the decode kernel.
+// Device code, part 3: the FP8 E4M3 format policy (Fp8Fmt) of the decode kernel.
+//
+// Same CTA/warp structure, ring, softmax and combine as NVFP4 (see decode.cu); only the tile
+// data and its conversion differ. FP8 pages have no block scales: the layer's K scale folds
+// into the softmax scale and its V scale into the partial output.
+//
+// * Copies: a tile's K (and V) rows are 2 KB contiguous in the page; each warp-wide 16-byte
+//   cp.async moves 512 contiguous bytes, so every L2 request is a whole 128-byte line
+//   (copies along the fragment layout asked for half lines, and L2 tag lookups, not DRAM,
+//   capped the kernel at 62% of bandwidth). In the stage, 16-byte chunk u of row r sits at
+//   r * 128 + 16 * (u ^ f(r)), f(r) = 2 * ((r >> 1) & 3) ^ 4 * (r & 1), which makes both
+//   fragment reads below conflict-free.
+// * Scores (swap-AB, tokens on M): lane (g, t) reads bytes [16t, 16t + 16) and
+//   [64 + 16t, 64 + 16t + 16) of tokens g and 8 + g. Word w of chunk c is k-step 4c + w:
+//   cvt.rn.f16x2.e4m3x2 of its low half is A fragment register a0 (a1 for token 8 + g), of
+//   its high half a2 (a3). Q uses the same head-dim order.
+// * Output (O^T = V^T P^T): lane (g, t) reads head-dim bytes [16g, 16g + 16) of tokens
+//   2t, 2t + 1, 8 + 2t, 9 + 2t; one byte permute pairs two tokens' bytes, and one cvt per
+//   fp16x2 register gives the A fragment (head dims 16g + 2i and 16g + 2i + 1 of m-tile i,
+//   the accumulator layout NVFP4 uses).
+// * Masked tiles clear V of tokens past the end (E4M3 0x7f is NaN, and stale ring bytes may
+//   hold it): P is zero there, but 0 * NaN is not.
+#pragma once
+#include "pipe.cuh"
 
-Same CTA/warp structure, ring, softmax and combine as NVFP4 (see :mod:`._sources`);
-only the tile data and its conversion differ. FP8 pages have no block scales: the
-layer's K scale folds into the softmax scale and its V scale into the partial output.
+namespace nibble_nvfp4 {
 
-* Copies: a tile's K (and V) rows are 2 KB contiguous in the page; each warp-wide 16-byte
-  ``cp.async`` moves 512 contiguous bytes, so every L2 request is a whole 128-byte line
-  (copies along the fragment layout asked for half lines, and L2 tag lookups, not DRAM,
-  capped the kernel at 62% of bandwidth). In the stage, 16-byte chunk ``u`` of row ``r``
-  sits at ``r * 128 + 16 * (u ^ f(r))``, ``f(r) = 2 * ((r >> 1) & 3) ^ 4 * (r & 1)``, which
-  makes both fragment reads below conflict-free.
-* Scores (swap-AB, tokens on M): lane ``(g, t)`` reads bytes ``[16t, 16t + 16)`` and
-  ``[64 + 16t, 64 + 16t + 16)`` of tokens ``g`` and ``8 + g``. Word ``w`` of chunk ``c`` is
-  k-step ``4c + w``:
-  ``cvt.rn.f16x2.e4m3x2`` of its low half is A fragment register a0 (a1 for token
-  ``8 + g``), of its high half a2 (a3). Q uses the same head-dim order.
-* Output (O^T = V^T P^T): lane ``(g, t)`` reads head-dim bytes ``[16g, 16g + 16)`` of
-  tokens ``2t, 2t + 1, 8 + 2t, 9 + 2t``; one byte permute pairs two tokens' bytes, and
-  one ``cvt`` per fp16x2 register gives the A fragment (head dims ``16g + 2i`` and
-  ``16g + 2i + 1`` of m-tile ``i``, the accumulator layout NVFP4 uses).
-* Masked tiles clear V of tokens past the end (E4M3 ``0x7f`` is NaN, and stale ring
-  bytes may hold it): P is zero there, but ``0 * NaN`` is not.
-"""
-
-FP8_SRC = r"""
 // ---- FP8 E4M3 ring stage (4 KB per tile): K rows [16][128 B] then V rows, swizzled.
 constexpr int kStage8 = 4096, kV8Off = 2048;
 
@@ -165,4 +166,5 @@ struct Fp8Fmt {
     pv8<MASK>(sb, ln, pb[1][0], pb[1][1], vm[1][0], vm[1][1], st);
   }
 };
-"""
+
+}  // namespace nibble_nvfp4

@@ -1,11 +1,9 @@
-"""Device code, part 1: loads, E2M1/E4M3 conversions, MMA helpers, the per-tile math,
-Q fragments and the register ping-pong tile loop (with its diagnostic modes).
+// Device code, part 1: loads, E2M1/E4M3 conversions, MMA helpers, the per-tile math, Q
+// fragments and the register ping-pong tile loop (with its diagnostic modes).
+// The kernel design is described at the top of decode.cu.
+#pragma once
+#include "params.cuh"
 
-Concatenated after ``PARAMS`` and before :mod:`._src_kernel` into one .cu source; see
-:mod:`._sources` for the design.
-"""
-
-TILE_SRC = r"""
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
@@ -18,6 +16,11 @@ constexpr int kD = 128, kWarps = 4, kMaxGroup = 8;
 constexpr int kCombineO = kWarps * kMaxGroup * kD * 4, kCombineBytes = kCombineO + 256;
 constexpr float kLazy = 8.0f;
 constexpr unsigned kFull = 0xffffffffu;
+// The loader (../_sources.py) passes decode.py's copies of these as -D defines; they must agree.
+#ifdef NIBBLE_HEAD_DIM
+static_assert(NIBBLE_HEAD_DIM == kD && NIBBLE_WARPS_PER_CTA == kWarps &&
+              NIBBLE_MAX_GROUP == kMaxGroup, "kernels/cuda/decode.py constants differ");
+#endif
 
 struct Tile {           // one 16-token tile as one lane holds it
   uint4 k[2];           // K codes: tokens g, 8+g; head-dim [32t, 32t+32)
@@ -355,4 +358,4 @@ __device__ __forceinline__ void warp_tiles(const Params& p, int b, int h, int se
   }
 }
 
-"""
+}  // namespace nibble_nvfp4

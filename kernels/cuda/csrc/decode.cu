@@ -1,10 +1,41 @@
-"""Device code, part 4: the in-CTA combine, the decode kernel (NVFP4 or FP8 E4M3 pages),
-the reduce kernel and the launchers.
+// NVFP4 / FP8 E4M3 paged GQA decode for Hopper (sm_90a), part 4: the in-CTA combine, the
+// decode kernel, the reduce kernel and the launchers. Includes no torch header, so nvcc
+// compiles it quickly, and it compiles alone to read registers and SASS:
+//   nvcc -cubin -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a decode.cu
+//
+// Kernel design (one CTA = 4 warps for one (sequence, KV head, split); each warp runs its
+// own online softmax over a contiguous range of 16-token tiles, then the 4 warps combine
+// through shared memory and write one partial; a reduce kernel combines splits):
+//
+// * S^T = K Q^T with mma.sync.m16n8k16 fp16 -> fp32, swap-AB: A = K (16 tokens on M),
+//   B = Q^T (n = 8 query heads, up to 8 real). The head dim of each k-step is permuted so
+//   that lane (g, t) (g = lane / 4, t = lane % 4) needs exactly head-dim elements
+//   [32t, 32t + 32) of tokens g and 8 + g: one 16-byte load per token row, no shuffles.
+//   Q uses the same permutation.
+// * O^T = V^T P^T, swap-AB: A = V^T (rows = head dim, 8 m-tiles), B = P^T (k = 16 tokens,
+//   n = 8 heads). P goes from the S accumulator to the B fragment with two movmatrix.trans
+//   per tile. Lane (g, t) owns head-dim block g (d = 16g .. 16g+15) of tokens 2t, 2t+1,
+//   8+2t, 9+2t: 8 bytes per token row.
+// * E2M1 -> fp16 by bit placement: s << 15 | m << 9 is exactly value * 2^-14 (7 logic ops
+//   + 4 byte permutes per 8 codes; V pairs two tokens' bytes first). Block scales are
+//   converted with cvt.rn.f16x2.e4m3x2, times 2^7 (so every product is an exact
+//   normal-range fp16), and applied with one HMUL2 per 2 elements. 2^7 * 2^-14 and the
+//   global scales fold into the softmax scale (K) and the partial output (V).
+// * Online softmax in the log2 domain with a lazy rescale: the running max moves only when
+//   a score exceeds it by more than 8, so p <= 256; a warp vote skips the max reduction and
+//   the accumulator rescale otherwise.
+// * Feeding (variants, see decode.VARIANTS): the next tile prefetched into registers
+//   (ping-pong), or a per-warp cp.async ring in shared memory with lane-private chunk
+//   layouts (conflict-free), consumed one tile or two tiles (one softmax step per 32
+//   tokens, two independent score chains) at a time.
+// * FP8 E4M3 pages (decode.FP8_VARIANTS) share everything but the tile: the ring loops,
+//   softmax step and combine are templates over a format policy (NVFP4 or FP8, see
+//   pipe.cuh and fp8.cuh); FP8 converts with one cvt.rn.f16x2.e4m3x2 per 2 values and has
+//   no block scales.
+#include "fp8.cuh"
 
-Concatenated last; see :mod:`._sources` for the design.
-"""
+namespace nibble_nvfp4 {
 
-KERNEL_SRC = r"""
 // The 4 warps' (m, l, O) -> one partial per query head of the group.
 // vfac: the factor from the V operand's fp16 values to real values (NVFP4 2^7 * v_gs).
 __device__ __forceinline__ void combine_warps(const Params& p, int b, int h, int c, int lane,
@@ -163,4 +194,3 @@ int decode_occupancy(int variant) {
 }
 
 }  // namespace nibble_nvfp4
-"""
