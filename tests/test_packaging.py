@@ -34,6 +34,16 @@ def source_packages():
             yield _package_of(init.parent.relative_to(ROOT))
 
 
+def test_every_code_folder_is_a_package():
+    """A folder of .py files without __init__.py is left out of a non-editable install
+    (find_packages skips it), though an editable one still imports it."""
+    bare = [str(d.relative_to(ROOT)) for folder in CODE_FOLDERS
+            for d in [ROOT / folder, *(ROOT / folder).rglob("*")]
+            if d.is_dir() and "__pycache__" not in d.parts and any(d.glob("*.py"))
+            and not (d / "__init__.py").exists()]
+    assert not bare, f"folders with modules but no __init__.py: {bare}"
+
+
 @pytest.mark.slow
 def test_wheel_contains_every_subpackage(tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",

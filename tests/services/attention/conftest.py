@@ -139,6 +139,7 @@ def no_compile(monkeypatch):
 
     def refuse(*a, **kw):
         raise AssertionError("the CUDA extension must not be built here")
+    monkeypatch.setattr(cpp_extension, "load", refuse)
     monkeypatch.setattr(cpp_extension, "load_inline", refuse)
     yield
     assert not kcuda.is_built()

@@ -1,0 +1,1 @@
+"""The engine: request types, scheduler, model runner, ``EngineCore`` and ``AsyncEngine``."""
