@@ -88,7 +88,7 @@ async def _start_grpc(engine, cfg: NibbleConfig, app):
     from .grpc_api import GrpcServer
 
     grpc_server = GrpcServer(engine, cfg.server, metrics=app.state.metrics,
-                             inflight=app.state.inflight)
+                             inflight=app.state.inflight, preparer=app.state.preparer)
     await grpc_server.start()
     return grpc_server
 
