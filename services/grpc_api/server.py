@@ -6,8 +6,10 @@ NOT_SERVING; once ``stop`` begins it stays NOT_SERVING, so load balancers drain
 the server while open streams finish within the grace period (then they are
 cancelled, which aborts them in the engine).
 
-A received message over ``--max-request-body-bytes`` ends the call with
-RESOURCE_EXHAUSTED, as a larger HTTP body gets 413.
+Limits and TLS follow the HTTP side: a received message over
+``--max-request-body-bytes`` ends the call with RESOURCE_EXHAUSTED, and with
+``--ssl-certfile``/``--ssl-keyfile`` the port speaks only TLS (client certificates
+required with ``--ssl-ca-certs``; services/tls.py).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from ..config import ServerConfig
 from ..errors import FatalError
 from ..gateway.preparer import Preparer
 from ..metrics import Metrics
+from ..tls import grpc_server_credentials
 from .auth import SERVICE, AuthInterceptor, GrpcAuth
 from .decode import add_nibble_servicer
 from .servicer import NibbleServicer
@@ -85,8 +88,10 @@ class GrpcServer:
                  reflection.SERVICE_NAME)
         reflection.enable_server_reflection(names, server)
         address = bind_address(self.cfg.host, self.port)
+        creds = grpc_server_credentials(self.cfg)
         try:
-            bound = server.add_insecure_port(address)
+            bound = (server.add_secure_port(address, creds) if creds is not None
+                     else server.add_insecure_port(address))
         except RuntimeError as exc:
             bound, reason = 0, f": {exc}"
         else:
@@ -100,8 +105,8 @@ class GrpcServer:
         await server.start()
         self._server = server
         self._watcher = asyncio.create_task(self._watch_health(), name="nibble-grpc-health")
-        log.info("gRPC API (%s, grpc.health.v1.Health, reflection) on %s; %s", SERVICE,
-                 bind_address(self.cfg.host, bound),
+        log.info("gRPC API (%s, grpc.health.v1.Health, reflection) on %s (%s); %s", SERVICE,
+                 bind_address(self.cfg.host, bound), _tls_mode(self.cfg),
                  "API keys required" if self.auth.enabled else "no API key needed")
         return bound
 
@@ -142,3 +147,9 @@ class GrpcServer:
         if self._own_preparer:
             self.servicer.preparer.close()
         log.info("gRPC server stopped")
+
+
+def _tls_mode(cfg: ServerConfig) -> str:
+    if cfg.ssl_certfile is None:
+        return "plaintext"
+    return "TLS, client certificates required" if cfg.ssl_ca_certs else "TLS"
