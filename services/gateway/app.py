@@ -3,9 +3,10 @@
 Two routers: the OpenAI routes here (``/v1/*``) and the admin routes
 (admin.py). API keys are enforced by a middleware in front of both, by path
 (auth.py); in front of that, the request-body limit (limits.py). Requests are
-prepared (template, tokenization) on the Preparer's threads (preparer.py). Per app, on ``app.state``: the engine, the config, the metrics
-(services/metrics.py) and the set of request ids in flight; nothing is
-global, so tests build as many apps as they like.
+prepared (template, tokenization) on the Preparer's threads (preparer.py). Per
+app, on ``app.state``: the engine, the config, the metrics (services/metrics.py),
+the Preparer and the set of request ids in flight; nothing is global, so tests
+build as many apps as they like.
 """
 
 from __future__ import annotations
