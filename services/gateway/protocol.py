@@ -6,8 +6,9 @@ and refuse text that is not valid Unicode (a lone surrogate such as ``"\\ud800"`
 so that what the published schema (/openapi.json) calls valid is exactly what
 is accepted; options Nibble does not support accept only their "off" value.
 
-Responses are plain dicts in OpenAI's exact schema, built by the two formatters below (one per endpoint); the serving code drives either one
-through the same calls, so it never branches on the endpoint.
+Responses are plain dicts in OpenAI's exact schema, built by the two formatters
+below (one per endpoint); the serving code drives either one through the same
+calls, so it never branches on the endpoint.
 """
 
 from __future__ import annotations

@@ -41,7 +41,10 @@ def _field(number: int, payload: bytes) -> bytes:
 
 
 SURROGATE = b"\xed\xa0\x80"        # U+D800 encoded as if it were a character: not UTF-8
-CHAT = lambda role, content: _field(5, _field(1, _field(1, role) + _field(2, content)))  # noqa: E731
+
+
+def _chat(role: bytes, content: bytes) -> bytes:
+    return _field(5, _field(1, _field(1, role) + _field(2, content)))
 
 
 @pytest.mark.parametrize("method, raw", [
@@ -50,8 +53,8 @@ CHAT = lambda role, content: _field(5, _field(1, _field(1, role) + _field(2, con
     ("Generate", _field(1, SURROGATE) + _field(3, b"hi")),               # request_id
     ("Generate", _field(7, SURROGATE) + _field(3, b"hi")),               # cache_salt
     ("Generate", _field(6, _field(6, SURROGATE)) + _field(3, b"hi")),    # sampling.stop
-    ("Generate", CHAT(b"user", SURROGATE)),                              # chat content
-    ("Generate", CHAT(SURROGATE, b"hi")),                                # chat role
+    ("Generate", _chat(b"user", SURROGATE)),                              # chat content
+    ("Generate", _chat(SURROGATE, b"hi")),                                # chat role
     ("Abort", _field(1, SURROGATE)),                                     # request_id
     ("Generate", b"\x1a\x05ab"),                                         # truncated
 ])
