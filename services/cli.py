@@ -34,13 +34,15 @@ def setup_logging(level: str) -> None:
     logging.basicConfig(level=numeric, format=LOG_FORMAT, force=True)
 
 
-def _url(host: str, port: int) -> str:
+def _url(host: str, port: int, scheme: str = "http") -> str:
     shown = "127.0.0.1" if host in ("0.0.0.0", "") else host
-    return f"http://[{shown}]:{port}" if ":" in shown else f"http://{shown}:{port}"
+    return f"{scheme}://[{shown}]:{port}" if ":" in shown else f"{scheme}://{shown}:{port}"
 
 
 def _make_server(app, cfg: NibbleConfig):
     import uvicorn
+
+    from .tls import uvicorn_ssl_options
 
     class _Server(uvicorn.Server):
         @contextlib.contextmanager
@@ -51,7 +53,8 @@ def _make_server(app, cfg: NibbleConfig):
 
     s = cfg.server
     config = uvicorn.Config(app, host=s.host, port=s.port, log_level=s.log_level.lower(),
-                            log_config=None, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+                            log_config=None, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+                            **uvicorn_ssl_options(s))
     return _Server(config)
 
 
@@ -75,7 +78,8 @@ def _install_signal_handlers(server) -> Callable[[], None]:
 async def _log_when_started(server, cfg: NibbleConfig, model_name: str) -> None:
     while not server.started:
         await asyncio.sleep(0.05)
-    url = _url(cfg.server.host, cfg.server.port)
+    url = _url(cfg.server.host, cfg.server.port,
+               "https" if cfg.server.ssl_certfile is not None else "http")
     log.info("Nibble is serving %r at %s (OpenAI API: %s/v1, health: %s/health)",
              model_name, url, url, url)
 
@@ -88,7 +92,7 @@ async def _start_grpc(engine, cfg: NibbleConfig, app):
     from .grpc_api import GrpcServer
 
     grpc_server = GrpcServer(engine, cfg.server, metrics=app.state.metrics,
-                             inflight=app.state.inflight)
+                             inflight=app.state.inflight, preparer=app.state.preparer)
     await grpc_server.start()
     return grpc_server
 
@@ -140,9 +144,11 @@ async def run_serve(cfg: NibbleConfig) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from .gateway.auth import log_security_posture
+    from .tls import check_server_tls
 
     cfg = config_from_args(args)
     log_security_posture(cfg.server, log)    # before the model loads: bad keys fail fast
+    check_server_tls(cfg.server)             # likewise unreadable TLS files
     return asyncio.run(run_serve(cfg))
 
 

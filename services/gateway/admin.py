@@ -28,14 +28,15 @@ from starlette.responses import JSONResponse, Response
 
 from .auth import redact_keys
 from .errors import error_response
+from .protocol import Text
 
 log = logging.getLogger(__name__)
 
 
 class AbortRequestBody(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
-    rid: str | None = None
+    rid: Text | None = None
     abort_all: bool = False
 
 

@@ -2,9 +2,11 @@
 
 Two routers: the OpenAI routes here (``/v1/*``) and the admin routes
 (admin.py). API keys are enforced by a middleware in front of both, by path
-(auth.py). Per app, on ``app.state``: the engine, the config, the metrics
-(services/metrics.py) and the set of request ids in flight; nothing is
-global, so tests build as many apps as they like.
+(auth.py); in front of that, the request-body limit (limits.py). Requests are
+prepared (template, tokenization) on the Preparer's threads (preparer.py). Per
+app, on ``app.state``: the engine, the config, the metrics (services/metrics.py),
+the Preparer and the set of request ids in flight; nothing is global, so tests
+build as many apps as they like.
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ from ..metrics import Metrics
 from .admin import admin_router
 from .auth import TENANT_SCOPE_KEY, APIKeyMiddleware, AuthPolicy, cache_namespace
 from .errors import ClientDisconnected, error_response, install_error_handlers
+from .limits import install_body_limit
+from .openapi import install_openapi
+from .preparer import Preparer
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .serving import Prepared, check_model, prepare_chat, prepare_completion, respond
 from .tracking import tracked
@@ -42,7 +47,7 @@ async def _run(request: Request, prepare, body) -> Response:
     engine, state = _engine(request), request.app.state
     timer = state.metrics.start_request()
     try:
-        p: Prepared = prepare(engine, body)
+        p: Prepared = await state.preparer.run(prepare, engine, body)
         p.gen_req.cache_salt = cache_namespace(request.scope.get(TENANT_SCOPE_KEY),
                                                p.gen_req.cache_salt)
         track = functools.partial(tracked, request_id=p.gen_req.request_id, timer=timer,
@@ -95,8 +100,11 @@ def create_app(engine: Any, server_cfg: ServerConfig | None = None) -> FastAPI:
     app.state.created = int(time.time())
     app.state.metrics = Metrics(getattr(engine, "stats", None))
     app.state.inflight = set()                  # request ids being served (for /abort_request)
+    app.state.preparer = Preparer()             # shared with the gRPC API (cli.py)
     install_error_handlers(app)
     app.add_middleware(APIKeyMiddleware, policy=policy)
     app.include_router(openai_router())
     app.include_router(admin_router())
+    install_body_limit(app, server_cfg.max_request_body_bytes)
+    install_openapi(app)
     return app

@@ -34,9 +34,19 @@ class ClientDisconnected(Exception):
     """The HTTP client closed the connection before its response was ready."""
 
 
+def encodable(text: str) -> str:
+    """``text`` with any lone surrogate written as ``\\udXXX``: an error message that quotes
+    the client's input must still encode as UTF-8 (request validation refuses such
+    text; this keeps any path it misses a 4xx, not a failing 500)."""
+    if text.isascii():
+        return text
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def error_body(message: str, err_type: str, param: str | None = None,
                code: str | int | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+    return {"error": {"message": encodable(message), "type": err_type,
+                      "param": None if param is None else encodable(param), "code": code}}
 
 
 def error_response(status: int, message: str, err_type: str, param: str | None = None,
@@ -78,9 +88,18 @@ def nibble_error_response(exc: NibbleError) -> JSONResponse:
                           type(exc).__name__)
 
 
+def main_error(errors: list[dict]) -> dict:
+    """The error to report: for a value that matched no member of a union (``prompt``,
+    ``content``), the one our own validators raised says most ("not valid Unicode")."""
+    for err in errors:
+        if err.get("type") == "value_error":
+            return err
+    return errors[0] if errors else {}
+
+
 async def _on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
     errors = exc.errors()
-    first = errors[0] if errors else {}
+    first = main_error(errors)
     if first.get("type") == "json_invalid":
         ctx = first.get("ctx") or {}
         return error_response(400, f"Invalid JSON body: {ctx.get('error', first.get('msg'))}",
@@ -92,7 +111,7 @@ async def _on_validation_error(request: Request, exc: RequestValidationError) ->
                               f"'Content-Type: application/json' (got '{ctype or 'none'}')",
                               "invalid_request_error")
     param = param_from_loc(loc)
-    where = ".".join(str(p) for p in loc[1:]) if len(loc) > 1 else "body"
+    where = param or "body"
     msg = f"Invalid request: {first.get('msg', 'validation failed')} (at '{where}')"
     if len(errors) > 1:
         msg += f" and {len(errors) - 1} more error(s)"

@@ -1,9 +1,14 @@
 """OpenAI wire format: request models (validated by FastAPI) and response builders.
 
 Requests are pydantic models that ignore unknown fields, as OpenAI-compatible
-servers do. Responses are plain dicts in OpenAI's exact schema, built by the
-two formatters below (one per endpoint); the serving code drives either one
-through the same calls, so it never branches on the endpoint.
+servers do. They validate strictly (``true`` is no token id, ``"1"`` no integer)
+and refuse text that is not valid Unicode (a lone surrogate such as ``"\\ud800"``),
+so that what the published schema (/openapi.json) calls valid is exactly what
+is accepted; options Nibble does not support accept only their "off" value.
+
+Responses are plain dicts in OpenAI's exact schema, built by the two formatters
+below (one per endpoint); the serving code drives either one through the same
+calls, so it never branches on the endpoint.
 """
 
 from __future__ import annotations
@@ -12,17 +17,82 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
 
 from ..engine.types import FinishReason, Usage
 
-TokenId = Annotated[int, Field(ge=0)]
-# torch.Generator.manual_seed accepts this range; anything wider is a client error.
-Seed = Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]
+
+def valid_unicode(text: str) -> str:
+    """``text`` unchanged, or ValueError for a lone surrogate (JSON's ``"\\ud800"`` decodes
+    to one): it cannot be encoded as UTF-8, so no tokenizer, hash or response can take it."""
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"the text is not valid Unicode: a lone surrogate at "
+                             f"character {exc.start}") from None
+    return text
+
+
+def integral(value: Any) -> Any:
+    """JSON Schema counts ``75.0`` as an integer; strict validation then refuses only what
+    is not a whole number (``true``, ``"75"``, ``75.5``)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+def whole(**bounds: int) -> Any:
+    """An integer type with ``Field`` bounds (ge/le) that takes integral floats. The bounds
+    come before the validator so that the JSON schema shows them as minimum/maximum."""
+    return Annotated[int, Field(**bounds), BeforeValidator(integral)]
+
+
+Text = Annotated[str, AfterValidator(valid_unicode)]
+NonEmptyText = Annotated[Text, Field(min_length=1)]
+Int = whole()
+TokenId = whole(ge=0)
+Positive = whole(ge=1)
+TopK = whole(ge=-1)                                   # -1 or 0 = off
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+# JSON's safe integers (what any client can send exactly; torch.Generator.manual_seed
+# takes more). A wider bound could not be checked exactly by a client that reads
+# numbers as doubles, so schema-driven clients would disagree with the server.
+MAX_SAFE_INT = 2**53 - 1
+Seed = whole(ge=-MAX_SAFE_INT, le=MAX_SAFE_INT)
+
+
+def only(tp: Any, off: Any, message: str) -> Any:
+    """A field Nibble supports only at its "off" value ``off`` (or null): the schema says
+    so, and any other value is refused with ``message``."""
+    def check(value: Any) -> Any:
+        if value is not None and value != off:
+            raise ValueError(message)
+        return value
+    return Annotated[tp | None, AfterValidator(check),
+                     WithJsonSchema({"anyOf": [{"const": off}, {"type": "null"}]})]
+
+
+def _text_part(kind: str) -> str:
+    if kind != "text":
+        raise ValueError(f"only 'text' content parts are supported, got '{valid_unicode(kind)}'")
+    return kind
+
+
+OneChoice = only(Int, 1, "n must be 1: several choices per request are not supported")
+NoEcho = only(bool, False, "echo is not supported")
+NoLogprobs = only(Int, 0, "logprobs are not supported")
+NoChatLogprobs = only(bool, False, "logprobs are not supported")
+OneBestOf = only(Int, 1, "best_of must be 1")
+NoSuffix = only(str, "", "suffix is not supported")
+PartType = Annotated[str, AfterValidator(_text_part), WithJsonSchema({"const": "text"})]
+# Text, token ids, or a batch of exactly one of either (batches are not supported).
+Prompt = (NonEmptyText | TokenIds | Annotated[list[NonEmptyText], Field(min_length=1, max_length=1)]
+          | Annotated[list[TokenIds], Field(min_length=1, max_length=1)])
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class StreamOptions(_Request):
@@ -32,46 +102,46 @@ class StreamOptions(_Request):
 class SamplingFields(_Request):
     """Fields shared by /v1/completions and /v1/chat/completions (null = default)."""
 
-    model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
+    model: Text | None = None
+    max_tokens: Positive | None = None
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)            # extension; -1 or 0 = off
+    top_k: TopK | None = None         # extension; -1 or 0 = off
     seed: Seed | None = None
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     stop_token_ids: list[TokenId] | None = None       # extension (vLLM)
-    n: int | None = None                              # only 1 is supported
+    n: OneChoice = None                               # only 1 is supported
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = False                   # extension (benchmarks)
-    user: str | None = None
-    cache_salt: str | None = None                     # extension: tenant namespace for prefix reuse
+    user: Text | None = None
+    cache_salt: Text | None = None                    # extension: tenant namespace for prefix reuse
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
-    echo: bool | None = False                         # not supported: 400 when true
-    logprobs: int | None = Field(None, ge=0)          # not supported: 400 when set
-    best_of: int | None = None                        # only 1 is supported
-    suffix: str | None = None                         # not supported: 400 when set
+    prompt: Prompt
+    echo: NoEcho = False
+    logprobs: NoLogprobs = None
+    best_of: OneBestOf = None
+    suffix: NoSuffix = None
 
 
 class ContentPart(_Request):
-    type: str
-    text: str | None = None
+    type: PartType
+    text: Text
 
 
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
+    content: Text | list[ContentPart] | None = None
+    name: Text | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)   # wins over max_tokens
-    logprobs: bool | None = False                            # not supported: 400 when true
-    top_logprobs: int | None = None
+    max_completion_tokens: Positive | None = None   # wins over max_tokens
+    logprobs: NoChatLogprobs = False
+    top_logprobs: Int | None = None
 
 
 def new_request_id(prefix: str) -> str:

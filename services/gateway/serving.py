@@ -1,7 +1,10 @@
 """From a validated OpenAI request to the engine and back.
 
-1. ``prepare_*``: check the model name and unsupported options, tokenize
-   (chat template for chat), check the context budget, map to SamplingParams.
+1. ``prepare_*``: check the model name and unsupported options, bound the
+   prompt's length in characters (``check_prompt_chars``), tokenize (chat template
+   for chat), check the context budget, map to SamplingParams. These are
+   synchronous and slow for big prompts: the callers run them on the Preparer's
+   threads (preparer.py), never on the event loop.
 2. ``respond``: start ``engine.generate``. Errors the engine raises before its
    first output become proper HTTP errors (nothing has been sent yet).
 3. Streaming: SSE chunks; non-streaming: one JSON body.
@@ -32,6 +35,10 @@ from .protocol import (ChatCompletionRequest, ChatFormatter, CompletionFormatter
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+# No token of any tokenizer we load spans more characters than this on average over a
+# prompt; a longer text cannot fit the context, so it is refused before tokenizing it.
+MAX_CHARS_PER_TOKEN = 32
 
 
 @dataclass
@@ -93,6 +100,18 @@ def resolve_max_tokens(requested: int | None, prompt_len: int, context_length: i
     return requested
 
 
+def check_prompt_chars(n_chars: int, context_length: int, param: str) -> None:
+    """Refuse a prompt of ``n_chars`` characters that cannot fit ``context_length`` tokens,
+    without spending the time to tokenize it (the exact check follows tokenization)."""
+    limit = context_length * MAX_CHARS_PER_TOKEN
+    if n_chars > limit:
+        raise ContextLengthExceededError(
+            f"This model's maximum context length is {context_length} tokens. However, your "
+            f"prompt is {n_chars} characters long, more than any prompt that fits ({limit} "
+            "characters at most). Please reduce the length of the prompt.", param=param,
+            code="context_length_exceeded")
+
+
 def sampling_params(body: SamplingFields, max_tokens: int) -> SamplingParams:
     stop = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
     return SamplingParams(
@@ -119,7 +138,7 @@ def _finish_prepare(engine: Any, body: SamplingFields, ids: list[int], max_token
     return Prepared(gen_req, stream, fmt_cls(rid, engine.model_name, include_usage))
 
 
-def completion_prompt_ids(tokenizer: Any, prompt: str | list) -> list[int]:
+def completion_prompt_ids(tokenizer: Any, prompt: str | list, context_length: int) -> list[int]:
     """``str | list[int] | [str] | [list[int]]`` -> token ids (batches of >1 are rejected)."""
     if isinstance(prompt, list):
         if not prompt:
@@ -130,6 +149,7 @@ def completion_prompt_ids(tokenizer: Any, prompt: str | list) -> list[int]:
                                           param="prompt")
             prompt = prompt[0]
     if isinstance(prompt, str):
+        check_prompt_chars(len(prompt), context_length, "prompt")
         # Raw text: the tokenizer adds BOS if its config says so (as vLLM does).
         return list(tokenizer.encode(prompt, add_special_tokens=True))
     ids = list(prompt)
@@ -148,7 +168,7 @@ def prepare_completion(engine: Any, body: CompletionRequest) -> Prepared:
         raise InvalidRequestError("best_of must be 1", param="best_of")
     if body.suffix:
         raise InvalidRequestError("suffix is not supported", param="suffix")
-    ids = completion_prompt_ids(engine.tokenizer, body.prompt)
+    ids = completion_prompt_ids(engine.tokenizer, body.prompt, engine.context_length)
     return _finish_prepare(engine, body, ids, body.max_tokens, "prompt", "cmpl",
                            CompletionFormatter)
 
@@ -177,7 +197,10 @@ def prepare_chat(engine: Any, body: ChatCompletionRequest) -> Prepared:
     _check_common(body)
     if body.logprobs:
         raise InvalidRequestError("logprobs are not supported", param="logprobs")
-    text = engine.tokenizer.apply_chat_template(chat_messages(body), add_generation_prompt=True)
+    messages = chat_messages(body)
+    check_prompt_chars(sum(len(m["content"]) for m in messages), engine.context_length,
+                       "messages")
+    text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     ids = list(engine.tokenizer.encode(text, add_special_tokens=False))
     max_tokens = body.max_completion_tokens or body.max_tokens
     return _finish_prepare(engine, body, ids, max_tokens, "messages", "chatcmpl", ChatFormatter)

@@ -16,7 +16,7 @@ from nibble.proto.nibble.v1 import nibble_pb2 as pb
 
 from ..engine.types import FinishReason, RequestOutput
 from ..errors import InvalidRequestError
-from ..gateway.errors import param_from_loc
+from ..gateway.errors import main_error, param_from_loc
 from ..gateway.protocol import ChatCompletionRequest, CompletionRequest
 from ..gateway.serving import Prepared, prepare_chat, prepare_completion
 
@@ -44,9 +44,9 @@ def _fields(msg: pb.GenerateRequest) -> dict[str, Any]:
 
 def _invalid(exc: ValidationError) -> InvalidRequestError:
     errors = exc.errors()
-    first = errors[0] if errors else {}
+    first = main_error(errors)
     loc = tuple(first.get("loc", ()))
-    where = ".".join(str(p) for p in loc) or "request"
+    where = param_from_loc(loc) or "request"
     msg = f"Invalid request: {first.get('msg', 'validation failed')} (at '{where}')"
     if len(errors) > 1:
         msg += f" and {len(errors) - 1} more error(s)"

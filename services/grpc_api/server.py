@@ -5,6 +5,11 @@ while ``engine.is_healthy()`` holds (polled every ``HEALTH_POLL_S``), then
 NOT_SERVING; once ``stop`` begins it stays NOT_SERVING, so load balancers drain
 the server while open streams finish within the grace period (then they are
 cancelled, which aborts them in the engine).
+
+Limits and TLS follow the HTTP side: a received message over
+``--max-request-body-bytes`` ends the call with RESOURCE_EXHAUSTED, and with
+``--ssl-certfile``/``--ssl-keyfile`` the port speaks only TLS (client certificates
+required with ``--ssl-ca-certs``; services/tls.py).
 """
 
 from __future__ import annotations
@@ -20,12 +25,14 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from nibble.proto.nibble.v1 import nibble_pb2 as pb
-from nibble.proto.nibble.v1 import nibble_pb2_grpc as pb_grpc
 
 from ..config import ServerConfig
 from ..errors import FatalError
+from ..gateway.preparer import Preparer
 from ..metrics import Metrics
+from ..tls import grpc_server_credentials
 from .auth import SERVICE, AuthInterceptor, GrpcAuth
+from .decode import add_nibble_servicer
 from .servicer import NibbleServicer
 
 log = logging.getLogger(__name__)
@@ -49,16 +56,20 @@ def bind_address(host: str, port: int) -> str:
 class GrpcServer:
     """The gRPC API for ``engine`` on ``cfg.host`` and ``port`` (default ``cfg.grpc_port``).
 
-    ``metrics`` and ``inflight`` are the HTTP app's (``app.state``) when both APIs run
-    together, so requests of either kind are counted and abortable alike."""
+    ``metrics``, ``inflight`` and ``preparer`` are the HTTP app's (``app.state``) when both
+    APIs run together, so requests of either kind are counted, abortable and prepared
+    alike."""
 
     def __init__(self, engine: Any, cfg: ServerConfig, port: int | None = None, *,
-                 metrics: Metrics | None = None, inflight: set[str] | None = None):
+                 metrics: Metrics | None = None, inflight: set[str] | None = None,
+                 preparer: Preparer | None = None):
         self.engine, self.cfg = engine, cfg
         self.port = cfg.grpc_port if port is None else port
         self.auth = GrpcAuth(cfg)
+        self._own_preparer = preparer is None
         self.servicer = NibbleServicer(engine, self.auth, metrics or Metrics(None),
-                                       inflight if inflight is not None else set())
+                                       inflight if inflight is not None else set(),
+                                       preparer or Preparer())
         self.health = health_aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
         self._watcher: asyncio.Task | None = None
@@ -67,17 +78,20 @@ class GrpcServer:
     async def start(self) -> int:
         """Bind and start serving; returns the bound port (useful with port 0)."""
         # No SO_REUSEPORT: a second server on a taken port must fail, not share it.
-        server = grpc.aio.server(interceptors=[AuthInterceptor(self.auth)],
-                                 options=[("grpc.so_reuseport", 0)])
-        pb_grpc.add_NibbleServicer_to_server(self.servicer, server)
+        server = grpc.aio.server(interceptors=[AuthInterceptor(self.auth)], options=[
+            ("grpc.so_reuseport", 0),
+            ("grpc.max_receive_message_length", self.cfg.max_request_body_bytes)])
+        add_nibble_servicer(self.servicer, server)     # unparsable requests: INVALID_ARGUMENT
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         names = (pb.DESCRIPTOR.services_by_name["Nibble"].full_name,
                  health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
                  reflection.SERVICE_NAME)
         reflection.enable_server_reflection(names, server)
         address = bind_address(self.cfg.host, self.port)
+        creds = grpc_server_credentials(self.cfg)
         try:
-            bound = server.add_insecure_port(address)
+            bound = (server.add_secure_port(address, creds) if creds is not None
+                     else server.add_insecure_port(address))
         except RuntimeError as exc:
             bound, reason = 0, f": {exc}"
         else:
@@ -91,8 +105,8 @@ class GrpcServer:
         await server.start()
         self._server = server
         self._watcher = asyncio.create_task(self._watch_health(), name="nibble-grpc-health")
-        log.info("gRPC API (%s, grpc.health.v1.Health, reflection) on %s; %s", SERVICE,
-                 bind_address(self.cfg.host, bound),
+        log.info("gRPC API (%s, grpc.health.v1.Health, reflection) on %s (%s); %s", SERVICE,
+                 bind_address(self.cfg.host, bound), _tls_mode(self.cfg),
                  "API keys required" if self.auth.enabled else "no API key needed")
         return bound
 
@@ -130,4 +144,12 @@ class GrpcServer:
                 await self._watcher
         await self.health.enter_graceful_shutdown()
         await self._server.stop(grace)
+        if self._own_preparer:
+            self.servicer.preparer.close()
         log.info("gRPC server stopped")
+
+
+def _tls_mode(cfg: ServerConfig) -> str:
+    if cfg.ssl_certfile is None:
+        return "plaintext"
+    return "TLS, client certificates required" if cfg.ssl_ca_certs else "TLS"

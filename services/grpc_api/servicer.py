@@ -31,6 +31,7 @@ from ..engine.types import GenerateRequest
 from ..errors import InvalidRequestError
 from ..gateway.admin import call_engine
 from ..gateway.auth import cache_namespace, redact_keys
+from ..gateway.preparer import Preparer
 from ..gateway.serving import AbortGuard, EngineOutputError
 from ..gateway.tracking import tracked
 from ..metrics import Metrics
@@ -42,8 +43,10 @@ log = logging.getLogger(__name__)
 
 
 class NibbleServicer(pb_grpc.NibbleServicer):
-    def __init__(self, engine: Any, auth: GrpcAuth, metrics: Metrics, inflight: set[str]):
+    def __init__(self, engine: Any, auth: GrpcAuth, metrics: Metrics, inflight: set[str],
+                 preparer: Preparer):
         self.engine, self.auth, self.metrics, self.inflight = engine, auth, metrics, inflight
+        self.preparer = preparer                              # tokenizes off the event loop
         self.owned: dict[tuple[str | None, str], str] = {}   # (tenant, caller's id) -> engine id
         self.closing = False                                  # set when the server stops
 
@@ -51,7 +54,7 @@ class NibbleServicer(pb_grpc.NibbleServicer):
                        ) -> AsyncIterator[pb.GenerateResponse]:
         caller = self.auth.caller(context.invocation_metadata())
         try:
-            gen_req = prepare(self.engine, request).gen_req
+            gen_req = (await self.preparer.run(prepare, self.engine, request)).gen_req
         except Exception as exc:  # noqa: BLE001 - INVALID_ARGUMENT, NOT_FOUND or INTERNAL
             await abort_with(context, exc)
         gen_req.cache_salt = cache_namespace(caller.tenant, gen_req.cache_salt)

@@ -25,6 +25,8 @@ log = logging.getLogger(__name__)
 
 # llama.cpp token types (tokenizer.ggml.token_type).
 _CONTROL, _USER_DEFINED = 3, 4
+# Texts at least this long are encoded without holding the GIL (``encode`` holds it).
+RELEASE_GIL_CHARS = 4096
 
 # Split patterns of the pre-tokenizers GGUF names in tokenizer.ggml.pre.
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -58,7 +60,12 @@ class Tokenizer:
                                                           "eos_token": eos_token})
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """Token ids of ``text``; ``add_special_tokens`` adds the model's BOS/EOS framing if any."""
+        """Token ids of ``text``; ``add_special_tokens`` adds the model's BOS/EOS framing if any.
+
+        Long texts go through ``encode_batch``, which releases the GIL while it runs, so
+        other threads (the server's event loop) keep running during a big prompt."""
+        if len(text) >= RELEASE_GIL_CHARS:
+            return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
