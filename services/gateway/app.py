@@ -2,9 +2,11 @@
 
 Two routers: the OpenAI routes here (``/v1/*``) and the admin routes
 (admin.py). API keys are enforced by a middleware in front of both, by path
-(auth.py). Per app, on ``app.state``: the engine, the config, the metrics
-(services/metrics.py) and the set of request ids in flight; nothing is
-global, so tests build as many apps as they like.
+and client address (auth.py); behind it, the drain middleware refuses new
+requests once SIGTERM arrived (drain.py). Per app, on ``app.state``: the
+engine, the config, the metrics (services/metrics.py), the in-flight
+registry (tracking.py) and the drain; nothing is global, so tests build as
+many apps as they like.
 """
 
 from __future__ import annotations
@@ -22,10 +24,11 @@ from ..errors import NibbleError
 from ..metrics import Metrics
 from .admin import admin_router
 from .auth import TENANT_SCOPE_KEY, APIKeyMiddleware, AuthPolicy, cache_namespace
+from .drain import Drain, DrainMiddleware
 from .errors import ClientDisconnected, error_response, install_error_handlers
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .serving import Prepared, check_model, prepare_chat, prepare_completion, respond
-from .tracking import tracked
+from .tracking import InFlight, tracked
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +49,8 @@ async def _run(request: Request, prepare, body) -> Response:
         p.gen_req.cache_salt = cache_namespace(request.scope.get(TENANT_SCOPE_KEY),
                                                p.gen_req.cache_salt)
         track = functools.partial(tracked, request_id=p.gen_req.request_id, timer=timer,
-                                  inflight=state.inflight)
+                                  inflight=state.inflight,
+                                  owner=request.scope.get(TENANT_SCOPE_KEY))
         return await respond(engine, request, p, track)
     except (NibbleError, ClientDisconnected):
         raise                                       # mapped by the installed handlers
@@ -94,9 +98,11 @@ def create_app(engine: Any, server_cfg: ServerConfig | None = None) -> FastAPI:
     app.state.server_cfg = server_cfg
     app.state.created = int(time.time())
     app.state.metrics = Metrics(getattr(engine, "stats", None))
-    app.state.inflight = set()                  # request ids being served (for /abort_request)
+    app.state.inflight = InFlight()             # request ids being served, with their tenants
+    app.state.drain = Drain(app.state.inflight)  # SIGTERM drain (drain.py, lifecycle.py)
     install_error_handlers(app)
-    app.add_middleware(APIKeyMiddleware, policy=policy)
+    app.add_middleware(DrainMiddleware, drain=app.state.drain)
+    app.add_middleware(APIKeyMiddleware, policy=policy)   # added last: runs first
     app.include_router(openai_router())
     app.include_router(admin_router())
     return app
