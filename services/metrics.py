@@ -86,6 +86,11 @@ class EngineStatsCollector(Collector):
             yield CounterMetricFamily(PREFIX + "num_preemptions",
                                       "Requests preempted because KV pages ran out.",
                                       value=float(s["num_preemptions"]))
+        if s.get("prompt_tokens_computed") is not None:
+            yield CounterMetricFamily(PREFIX + "prompt_tokens_computed",
+                                      "Prompt tokens run through the model (prefix-cache hits "
+                                      "excluded; recomputed tokens counted again).",
+                                      value=float(s["prompt_tokens_computed"]))
         if s.get("tiers") and s["tiers"].get("hierarchical"):
             yield from tier_families(s["tiers"], s.get("num_cached_pages", 0))
 
