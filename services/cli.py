@@ -2,9 +2,10 @@
 
 ``nibble serve`` builds the engine from the flags, puts the OpenAI gateway in
 front of it and runs uvicorn (and, with ``--grpc-port``, the gRPC API beside it
-on the same event loop). SIGINT/SIGTERM stop accepting requests, let
-running ones finish for a few seconds (then abort them), shut the engine down
-and exit 0; a second signal forces the exit.
+on the same event loop). How it ends is gateway/lifecycle.py's business:
+SIGINT/SIGTERM drain (503 for new requests, running ones get
+--graceful-shutdown-timeout seconds, then end with an error) and exit 0; a
+second signal forces the exit; a dead engine exits 1. Then the engine shuts down.
 """
 
 from __future__ import annotations
@@ -13,16 +14,15 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import signal
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 from .config import NibbleConfig, add_engine_args, add_server_args, config_from_args
 from .errors import ConfigError, FatalError
 
 log = logging.getLogger("nibble.serve")
 
-GRACEFUL_SHUTDOWN_S = 5        # open streams get this long before they are cancelled (and aborted)
+GRACEFUL_SHUTDOWN_S = 5        # after the drain: uvicorn/gRPC connections get this long to close
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
@@ -58,23 +58,6 @@ def _make_server(app, cfg: NibbleConfig):
     return _Server(config)
 
 
-def _install_signal_handlers(server) -> Callable[[], None]:
-    loop = asyncio.get_running_loop()
-
-    def on_signal(sig: signal.Signals) -> None:
-        if server.should_exit:
-            log.warning("second %s: forcing exit", sig.name)
-            server.force_exit = True
-        else:
-            log.info("%s received: shutting down", sig.name)
-            server.should_exit = True
-
-    sigs = (signal.SIGINT, signal.SIGTERM)
-    for sig in sigs:
-        loop.add_signal_handler(sig, on_signal, sig)
-    return lambda: [loop.remove_signal_handler(sig) for sig in sigs]
-
-
 async def _log_when_started(server, cfg: NibbleConfig, model_name: str) -> None:
     while not server.started:
         await asyncio.sleep(0.05)
@@ -92,22 +75,17 @@ async def _start_grpc(engine, cfg: NibbleConfig, app):
     from .grpc_api import GrpcServer
 
     grpc_server = GrpcServer(engine, cfg.server, metrics=app.state.metrics,
-                             inflight=app.state.inflight, preparer=app.state.preparer)
+                             inflight=app.state.inflight, preparer=app.state.preparer,
+                             drain=app.state.drain)
     await grpc_server.start()
     return grpc_server
-
-
-async def _stop_grpc_on_exit(server, grpc_server) -> None:
-    """Drain gRPC together with HTTP: start its graceful stop when a signal arrives."""
-    while not server.should_exit:
-        await asyncio.sleep(0.1)
-    await grpc_server.stop(GRACEFUL_SHUTDOWN_S)
 
 
 async def run_serve(cfg: NibbleConfig) -> int:
     """Build the engine, serve until a signal, shut everything down; returns the exit code."""
     from .engine.async_engine import build_engine   # heavy (torch, model code): import late
     from .gateway import create_app
+    from .gateway.lifecycle import ServeLifecycle
 
     if cfg.disagg.disaggregate:
         from .disagg.client import DisaggEngine
@@ -119,21 +97,21 @@ async def run_serve(cfg: NibbleConfig) -> int:
         app = create_app(engine, cfg.server)
         server = _make_server(app, cfg)
         grpc_server = await _start_grpc(engine, cfg, app)
-        remove_handlers = _install_signal_handlers(server)
+        life = ServeLifecycle(server, app.state.drain, engine,
+                              cfg.server.graceful_shutdown_timeout, grpc_server)
+        remove_handlers = life.install_signal_handlers()
         announcer = asyncio.create_task(_log_when_started(server, cfg, engine.model_name))
-        stopper = (asyncio.create_task(_stop_grpc_on_exit(server, grpc_server))
-                   if grpc_server is not None else None)
+        supervisor = asyncio.create_task(life.run())
         try:
             await server.serve()
         finally:
             announcer.cancel()
-            if stopper is not None:
-                stopper.cancel()
+            supervisor.cancel()
             remove_handlers()
         if not server.started:
             log.error("the HTTP server did not start (is port %d free?)", cfg.server.port)
             return 1
-        return 0
+        return life.exit_code
     finally:
         if grpc_server is not None:
             await grpc_server.stop(GRACEFUL_SHUTDOWN_S)

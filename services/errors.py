@@ -46,6 +46,12 @@ class QueueFullError(RetryableError):
     """The admission queue is full (HTTP 503 with Retry-After)."""
 
 
+class ServerDrainingError(RetryableError):
+    """The server is shutting down (SIGTERM): it admits no new request, and requests still
+    running when --graceful-shutdown-timeout passes end with this error (HTTP 503 with
+    Retry-After, gRPC UNAVAILABLE); another replica can serve the retry."""
+
+
 class EngineDeadError(FatalError):
     """The engine loop stopped; no request can be served."""
 

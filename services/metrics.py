@@ -95,6 +95,9 @@ class EngineStatsCollector(Collector):
 
 # Engine totals exported as counters: (stats key, metric name, help).
 ENGINE_COUNTERS = (
+    ("prompt_tokens_computed", "prompt_tokens_computed",
+     "Prompt tokens run through the model (prefix-cache hits excluded; recomputed tokens "
+     "counted again)."),
     ("num_request_faults", "request_faults",
      "Requests failed alone by a fault in their own step (bad input or pages); the rest ran on."),
     ("num_fault_recomputes", "fault_recomputes",

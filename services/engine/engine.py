@@ -75,6 +75,7 @@ class EngineCore:
         self.fault_streak = 0          # requests failed since a step last ran a request cleanly
         self.num_request_faults = 0    # totals, for metrics and tests
         self.num_fault_recomputes = 0
+        self.num_prompt_tokens_computed = 0   # prompt tokens run through the model (not reused)
 
     @property
     def max_request_tokens(self) -> int:
@@ -148,6 +149,7 @@ class EngineCore:
             "num_preemptions": sch.num_preemptions,
             "num_request_faults": self.num_request_faults,
             "num_fault_recomputes": self.num_fault_recomputes,
+            "prompt_tokens_computed": self.num_prompt_tokens_computed,
             "num_cached_pages": self.cache.num_cached_pages if self.cache is not None else 0,
             "tiers": self.tiers.stats() if self.tiers is not None else None,
         }
@@ -208,6 +210,8 @@ class EngineCore:
             seq = self._seqs[entry.request_id]
             if entry.request_id in failed:
                 continue
+            self.num_prompt_tokens_computed += max(
+                0, min(len(entry.token_ids), seq.num_prompt - seq.num_computed))
             seq.num_computed += len(entry.token_ids)
             if entry.sample:
                 if seq.num_output == 0:

@@ -6,11 +6,12 @@
 - ``POST /flush_cache``: clears the prefix cache; 400 and no change while
   requests run or wait.
 - ``POST /abort_request``: ``{"rid": "<request id>"}`` aborts one request this
-  gateway is serving (404 when no such request is in flight, e.g. it already
-  finished); ``{"abort_all": true}`` aborts all. Aborted streams end with
-  finish_reason "abort".
+  gateway is serving: an admin may abort any, a tenant only its own (a
+  foreign id gets the same 404 as an unknown or finished one, so ids of other
+  tenants cannot be probed); ``{"abort_all": true}`` aborts all, admins only
+  (403 otherwise). Aborted streams end with finish_reason "abort".
 
-Which of these need a key is decided by auth.py, not here.
+Which callers reach these routes at all is decided by auth.py, not here.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from fastapi.encoders import jsonable_encoder
 from pydantic import BaseModel, ConfigDict
 from starlette.responses import JSONResponse, Response
 
-from .auth import redact_keys
+from .auth import CALLER_SCOPE_KEY, Caller, redact_keys
 from .errors import error_response
 from .protocol import Text
 
@@ -98,11 +99,19 @@ def admin_router() -> APIRouter:
             return error_response(400, "Send either {\"rid\": \"<request id>\"} or "
                                   "{\"abort_all\": true}", "invalid_request_error",
                                   "rid" if body.rid is not None else None)
+        caller = request.scope.get(CALLER_SCOPE_KEY) or Caller(None, admin=False)
         if body.abort_all:
+            if not caller.admin:
+                return error_response(403, "abort_all needs an admin API key "
+                                      "(--admin-api-key), or a loopback client when none is "
+                                      "configured", "permission_error", "abort_all",
+                                      "insufficient_permissions")
             n = int(await call_engine(engine.abort_all))
             log.info("/abort_request: aborted all requests (%d)", n)
             return JSONResponse({"success": True, "num_aborted": n})
-        if body.rid not in request.app.state.inflight:
+        inflight = request.app.state.inflight
+        if not (body.rid in inflight if caller.admin
+                else inflight.owned_by(body.rid, caller.tenant)):
             return error_response(404, f"No request with id '{body.rid}' is in flight "
                                   "(unknown, or already finished)", "invalid_request_error",
                                   "rid", "request_not_found")

@@ -2,11 +2,13 @@
 
 Two routers: the OpenAI routes here (``/v1/*``) and the admin routes
 (admin.py). API keys are enforced by a middleware in front of both, by path
-(auth.py); in front of that, the request-body limit (limits.py). Requests are
-prepared (template, tokenization) on the Preparer's threads (preparer.py). Per
-app, on ``app.state``: the engine, the config, the metrics (services/metrics.py),
-the Preparer and the set of request ids in flight; nothing is global, so tests
-build as many apps as they like.
+and client address (auth.py); in front of that, the request-body limit
+(limits.py); behind it, the drain middleware refuses new requests once SIGTERM
+arrived (drain.py). Requests are prepared (template, tokenization) on the
+Preparer's threads (preparer.py). Per app, on ``app.state``: the engine, the
+config, the metrics (services/metrics.py), the Preparer, the in-flight registry
+(tracking.py) and the drain; nothing is global, so tests build as many apps as
+they like.
 """
 
 from __future__ import annotations
@@ -24,13 +26,14 @@ from ..errors import NibbleError
 from ..metrics import Metrics
 from .admin import admin_router
 from .auth import TENANT_SCOPE_KEY, APIKeyMiddleware, AuthPolicy, cache_namespace
+from .drain import Drain, DrainMiddleware
 from .errors import ClientDisconnected, error_response, install_error_handlers
 from .limits import install_body_limit
 from .openapi import install_openapi
 from .preparer import Preparer
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .serving import Prepared, check_model, prepare_chat, prepare_completion, respond
-from .tracking import tracked
+from .tracking import InFlight, tracked
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +54,8 @@ async def _run(request: Request, prepare, body) -> Response:
         p.gen_req.cache_salt = cache_namespace(request.scope.get(TENANT_SCOPE_KEY),
                                                p.gen_req.cache_salt)
         track = functools.partial(tracked, request_id=p.gen_req.request_id, timer=timer,
-                                  inflight=state.inflight)
+                                  inflight=state.inflight,
+                                  owner=request.scope.get(TENANT_SCOPE_KEY))
         return await respond(engine, request, p, track)
     except (NibbleError, ClientDisconnected):
         raise                                       # mapped by the installed handlers
@@ -99,10 +103,12 @@ def create_app(engine: Any, server_cfg: ServerConfig | None = None) -> FastAPI:
     app.state.server_cfg = server_cfg
     app.state.created = int(time.time())
     app.state.metrics = Metrics(getattr(engine, "stats", None))
-    app.state.inflight = set()                  # request ids being served (for /abort_request)
+    app.state.inflight = InFlight()             # request ids being served, with their tenants
+    app.state.drain = Drain(app.state.inflight)  # SIGTERM drain (drain.py, lifecycle.py)
     app.state.preparer = Preparer()             # shared with the gRPC API (cli.py)
     install_error_handlers(app)
-    app.add_middleware(APIKeyMiddleware, policy=policy)
+    app.add_middleware(DrainMiddleware, drain=app.state.drain)
+    app.add_middleware(APIKeyMiddleware, policy=policy)   # added last: runs first
     app.include_router(openai_router())
     app.include_router(admin_router())
     install_body_limit(app, server_cfg.max_request_body_bytes)

@@ -1,20 +1,30 @@
-"""API keys: who may call which route, and the tenant a key stands for.
+"""API keys and client addresses: who may call which route, and the tenant a key stands for.
 
-Policy (by path, checked before the body is read, so an unauthenticated client
-learns nothing, not even whether its JSON was valid):
+Route kinds (``route_kind``), checked before the body is read, so a refused
+client learns nothing, not even whether its JSON was valid:
 
-- ``/health`` and ``/metrics`` are always open (load balancers and Prometheus
-  scrape them; /metrics holds aggregates only, as in SGLang).
-- Admin routes (``/flush_cache``, ``/abort_request``, ``/get_server_info``, ``/kv_events``)
-  need an ``--admin-api-key`` when one is configured, else an ``--api-key``
-  when one is configured, else they are open.
-- Every other path (``/v1/*``, the docs, unknown paths) needs an ``--api-key``
-  or an admin key when API keys are configured, else it is open.
+- **open**: ``/health`` and ``/metrics`` (load balancers and Prometheus scrape
+  them; /metrics holds aggregates only, as in SGLang).
+- **admin**: ``/flush_cache``, ``/get_server_info``, ``/kv_events``. With an
+  ``--admin-api-key`` configured they need one (401 without a valid key, 403
+  for a tenant's ``--api-key``). Without one they are served to loopback
+  clients only (403 otherwise), whatever tenant keys are set.
+- **abort**: ``/abort_request`` is open to admins (as above) and to tenants
+  (an ``--api-key``, when keys are configured). The handler then lets a
+  tenant abort only its own requests; ``abort_all`` is admin-only.
+- **tenant**: every other path (``/v1/*``, the docs, unknown paths) needs an
+  ``--api-key`` or an admin key when API keys are configured, else it is open.
+
+A client is on loopback when its address is a loopback address and the
+request carries no proxy header (``Forwarded``, ``X-Forwarded-For``,
+``X-Real-IP``): a proxy in the same pod or host connects over loopback on
+behalf of remote clients, and must not lend them admin rights.
 
 Keys arrive as ``Authorization: Bearer <key>`` or ``x-api-key: <key>``. They
 are compared as SHA-256 digests with ``hmac.compare_digest`` against every
 configured key, so neither the key's content nor its length leaks through
 timing. A verified key maps to a tenant id that namespaces the prefix cache.
+The same policy serves gRPC (grpc_api/auth.py), by method.
 """
 
 from __future__ import annotations
@@ -24,6 +34,7 @@ import hmac
 import ipaddress
 import logging
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -32,10 +43,16 @@ from ..credentials import redact_urls
 from ..errors import ConfigError
 from .errors import error_response
 
+OPEN, ADMIN, ABORT, TENANT = "open", "admin", "abort", "tenant"     # route kinds
 OPEN_PATHS = frozenset({"/health", "/metrics"})
-ADMIN_PATHS = frozenset({"/flush_cache", "/abort_request", "/get_server_info", "/kv_events"})
+ADMIN_PATHS = frozenset({"/flush_cache", "/get_server_info", "/kv_events"})
+ABORT_PATH = "/abort_request"
 TENANT_SCOPE_KEY = "nibble.tenant"     # ASGI scope entry holding the verified key's tenant id
+CALLER_SCOPE_KEY = "nibble.caller"     # ASGI scope entry holding the request's Caller
 REDACTED_FIELDS = ("api_keys", "admin_api_keys")
+PROXY_HEADERS = frozenset({b"forwarded", b"x-forwarded-for", b"x-real-ip"})
+LOOPBACK_ONLY = ("Admin routes are served to loopback clients only: no admin API key "
+                 "(--admin-api-key) is configured.")
 
 
 def _digest(key: bytes) -> bytes:
@@ -54,6 +71,16 @@ def cache_namespace(tenant: str | None, cache_salt: str | None) -> str | None:
     if tenant is None:
         return cache_salt
     return f"{tenant}:{cache_salt or ''}"
+
+
+def route_kind(path: str) -> str:
+    if path in OPEN_PATHS:
+        return OPEN
+    if path in ADMIN_PATHS:
+        return ADMIN
+    if path == ABORT_PATH:
+        return ABORT
+    return TENANT
 
 
 class KeySet:
@@ -87,26 +114,66 @@ def check_keys(cfg: ServerConfig) -> None:
                                   "spaces")
 
 
+@dataclass(frozen=True)
+class Caller:
+    """Who sent a request: the tenant of its verified API key (None without one), and
+    whether it may use the admin routes and abort any request."""
+
+    tenant: str | None
+    admin: bool
+    presented: bool = False     # some key was sent (valid or not)
+
+
+@dataclass(frozen=True)
+class Refusal:
+    status: int                 # 401 (no valid key) or 403 (valid, but not allowed here)
+    message: str
+
+
 class AuthPolicy:
-    """Which keys a path needs (None = open)."""
+    """The keys configured, and which callers each route kind admits."""
 
     def __init__(self, cfg: ServerConfig):
         check_keys(cfg)
         self.num_api_keys, self.num_admin_keys = len(cfg.api_keys), len(cfg.admin_api_keys)
         self.api = KeySet([*cfg.api_keys, *cfg.admin_api_keys]) if cfg.api_keys else None
-        admin = cfg.admin_api_keys or cfg.api_keys
-        self.admin = KeySet(admin) if admin else None
+        self.admin = KeySet(cfg.admin_api_keys) if cfg.admin_api_keys else None
 
     @property
     def enabled(self) -> bool:
         return self.api is not None or self.admin is not None
 
-    def keys_for(self, path: str) -> KeySet | None:
-        if path in OPEN_PATHS:
+    def identify(self, presented: list[bytes], loopback: bool) -> Caller:
+        """The caller behind ``presented`` keys from a (non-)``loopback`` client."""
+        key = next((k for k in presented if self.api.match(k)), None) \
+            if self.api is not None else None
+        if self.admin is not None:
+            admin = any(self.admin.match(k) for k in presented)
+        else:
+            admin = loopback
+        return Caller(tenant_id(key) if key is not None else None, admin, bool(presented))
+
+    def refusal(self, kind: str, caller: Caller) -> Refusal | None:
+        """None when ``caller`` may use a route of ``kind``, else why not."""
+        if kind == OPEN or (caller.admin and kind in (ADMIN, ABORT)):
             return None
-        if path in ADMIN_PATHS:
-            return self.admin
-        return self.api
+        if kind == ADMIN:
+            if self.admin is None:
+                return Refusal(403, LOOPBACK_ONLY)
+            if caller.tenant is not None:
+                return Refusal(403, "This route needs an admin API key (--admin-api-key); "
+                               "an API key is not enough.")
+            return self._unauthenticated("an admin API key (--admin-api-key)", caller)
+        if self.api is None or caller.tenant is not None:
+            return None
+        return self._unauthenticated("an API key", caller)
+
+    @staticmethod
+    def _unauthenticated(kind: str, caller: Caller) -> Refusal:
+        if caller.presented:
+            return Refusal(401, f"Incorrect API key provided: this route needs {kind}.")
+        return Refusal(401, f"Missing API key: this route needs {kind}, sent as "
+                       "'Authorization: Bearer <key>' or 'x-api-key: <key>'.")
 
 
 def presented_keys(headers: list[tuple[bytes, bytes]]) -> list[bytes]:
@@ -123,9 +190,29 @@ def presented_keys(headers: list[tuple[bytes, bytes]]) -> list[bytes]:
     return found
 
 
+def is_loopback(host: str) -> bool:
+    """True for ``localhost`` and loopback addresses (IPv4-mapped ones included)."""
+    if host == "localhost":
+        return True
+    try:
+        ip = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return False        # a hostname other than localhost, or "" (all interfaces)
+    if ip.version == 6 and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip.is_loopback
+
+
+def is_local_client(host: str | None, headers: list[tuple[bytes, bytes]]) -> bool:
+    """A loopback client address on a request that no proxy forwarded."""
+    if not host or not is_loopback(host):
+        return False
+    return not any(name.lower() in PROXY_HEADERS for name, _ in headers)
+
+
 class APIKeyMiddleware:
-    """Pure ASGI middleware enforcing ``AuthPolicy``; puts the tenant id of the key
-    used into ``scope[TENANT_SCOPE_KEY]`` (absent on open paths)."""
+    """Pure ASGI middleware enforcing ``AuthPolicy``; puts the ``Caller`` into
+    ``scope[CALLER_SCOPE_KEY]`` and its tenant into ``scope[TENANT_SCOPE_KEY]``."""
 
     def __init__(self, app: ASGIApp, policy: AuthPolicy):
         self.app, self.policy = app, policy
@@ -134,29 +221,30 @@ class APIKeyMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        path = scope.get("path", "")
-        keys = self.policy.keys_for(path)
-        if keys is None:
+        kind = route_kind(scope.get("path", ""))
+        if kind == OPEN:
             await self.app(scope, receive, send)
             return
-        presented = presented_keys(scope.get("headers", []))
-        key = next((k for k in presented if keys.match(k)), None)
-        if key is None:
-            await self._reject(path, bool(presented))(scope, receive, send)
+        headers = scope.get("headers", [])
+        client = scope.get("client")
+        caller = self.policy.identify(presented_keys(headers),
+                                      is_local_client(client[0] if client else None, headers))
+        refusal = self.policy.refusal(kind, caller)
+        if refusal is not None:
+            await _reject(refusal)(scope, receive, send)
             return
-        scope[TENANT_SCOPE_KEY] = tenant_id(key)
+        scope[CALLER_SCOPE_KEY] = caller
+        if caller.tenant is not None:
+            scope[TENANT_SCOPE_KEY] = caller.tenant
         await self.app(scope, receive, send)
 
-    def _reject(self, path: str, had_key: bool):
-        admin = path in ADMIN_PATHS and self.policy.num_admin_keys > 0
-        kind = "an admin API key (--admin-api-key)" if admin else "an API key"
-        if had_key:
-            msg = f"Incorrect API key provided: this route needs {kind}."
-        else:
-            msg = (f"Missing API key: this route needs {kind}, sent as "
-                   "'Authorization: Bearer <key>' or 'x-api-key: <key>'.")
-        return error_response(401, msg, "invalid_request_error", None, "invalid_api_key",
-                              headers={"WWW-Authenticate": "Bearer"})
+
+def _reject(refusal: Refusal):
+    if refusal.status == 403:
+        return error_response(403, refusal.message, "permission_error", None,
+                              "insufficient_permissions")
+    return error_response(401, refusal.message, "invalid_request_error", None,
+                          "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
 
 def redact_keys(obj):
@@ -170,35 +258,42 @@ def redact_keys(obj):
     return redact_urls(obj) if isinstance(obj, str) else obj
 
 
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False        # a hostname other than localhost, or "" (all interfaces)
+def check_exposure(cfg: ServerConfig) -> None:
+    """Refuse a non-loopback ``--host`` (HTTP and the gRPC port bind it alike) without any
+    ``--api-key``, unless ``--allow-unauthenticated`` says so. Raises ConfigError."""
+    if cfg.api_keys or is_loopback(cfg.host) or cfg.allow_unauthenticated:
+        return
+    ports = f"port {cfg.port}" + (f" (and gRPC port {cfg.grpc_port})" if cfg.grpc_port else "")
+    raise ConfigError(
+        f"refusing to serve on --host {cfg.host or '(all interfaces)'} without an API key: "
+        f"anyone who can reach {ports} could use the OpenAI API. Give keys with "
+        "--api-key-file or $NIBBLE_API_KEY (admin keys: --admin-api-key-file), bind "
+        "--host 127.0.0.1, or pass --allow-unauthenticated to serve without keys anyway")
 
 
 def log_security_posture(cfg: ServerConfig, log: logging.Logger) -> None:
-    """Say at startup who can reach the server; warn loudly when it is exposed without keys.
+    """Say at startup who can reach the server; refuse an exposed server without keys.
 
-    Raises ConfigError for unusable keys (before any model is loaded)."""
+    Raises ConfigError for unusable keys or an unguarded non-loopback host (before any
+    model is loaded)."""
     policy = AuthPolicy(cfg)
+    check_exposure(cfg)
     if policy.api is None:
-        what = "the OpenAI API (/v1)" + ("" if policy.admin else " and the admin routes")
         if is_loopback(cfg.host):
-            log.info("No --api-key configured: %s is unauthenticated; the server listens on "
-                     "loopback (%s) only. Pass --api-key before exposing it with --host.",
-                     what, cfg.host)
+            log.info("No --api-key configured: the OpenAI API (/v1) is unauthenticated; the "
+                     "server listens on loopback (%s) only. Pass --api-key-file before "
+                     "exposing it with --host.", cfg.host)
         else:
-            log.warning("!!! SECURITY WARNING: no --api-key is configured and --host %s is "
-                        "not loopback: anyone who can reach port %d can use %s. Pass "
-                        "--api-key (and --admin-api-key), or bind to 127.0.0.1. !!!",
-                        cfg.host, cfg.port, what)
+            log.warning("!!! SECURITY WARNING: --allow-unauthenticated: no --api-key is "
+                        "configured and --host %s is not loopback: anyone who can reach port "
+                        "%d can use the OpenAI API (/v1). !!!", cfg.host, cfg.port)
     else:
         log.info("API keys: %d guard /v1 (admin keys are accepted there too)",
                  policy.num_api_keys)
     if policy.admin is not None:
-        source = "--admin-api-key" if policy.num_admin_keys else "--api-key"
-        log.info("Admin routes (%s) need a key from %s; /health and /metrics are open",
-                 ", ".join(sorted(ADMIN_PATHS)), source)
+        log.info("Admin routes (%s, /abort_request abort_all) need a key from "
+                 "--admin-api-key; /health and /metrics are open",
+                 ", ".join(sorted(ADMIN_PATHS)))
+    else:
+        log.info("No --admin-api-key configured: admin routes (%s) answer loopback clients "
+                 "only", ", ".join(sorted(ADMIN_PATHS)))

@@ -1,40 +1,64 @@
 """API keys for the gRPC API: the HTTP gateway's policy (gateway/auth.py), by method.
 
 - ``grpc.health.v1.Health`` is always open (probes).
-- ``GetServerInfo`` and ``FlushCache`` are admin methods: they need an
-  ``--admin-api-key`` when one is configured, else an ``--api-key`` when one
-  is, else they are open (as ``/get_server_info`` and ``/flush_cache``).
-- Everything else (``Generate``, ``Abort``, reflection) needs an ``--api-key``
-  or an admin key when API keys are configured.
+- ``GetServerInfo`` and ``FlushCache`` are admin methods (as ``/get_server_info``
+  and ``/flush_cache``): with an ``--admin-api-key`` configured they need one;
+  without one they are served to loopback peers only.
+- ``Abort`` is open to admins and to tenants (as ``/abort_request``); the
+  servicer lets a tenant abort only its own requests, and ``abort_all`` only
+  an admin.
+- Everything else (``Generate``, reflection, unknown methods) needs an
+  ``--api-key`` or an admin key when API keys are configured.
 
 Keys arrive as metadata ``authorization: Bearer <key>`` or ``x-api-key: <key>``
-and are matched in constant time by ``KeySet``. ``AuthInterceptor`` refuses a
-call before its handler runs: UNAUTHENTICATED for a missing or unknown key,
-PERMISSION_DENIED for a valid API key on an admin method. Handlers learn who
-called with ``GrpcAuth.caller`` (the key's tenant namespaces the prefix cache).
+and are matched in constant time by ``KeySet``. A peer is on loopback when its
+address (``context.peer()``) is a loopback address and no proxy metadata
+(``x-forwarded-for``, ...) came with the call. ``AuthInterceptor`` wraps each
+guarded handler so the check runs, with the peer known, before the handler:
+UNAUTHENTICATED where HTTP answers 401, PERMISSION_DENIED where it answers 403.
+Handlers learn who called with ``GrpcAuth.caller(context)``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass
 from typing import Any
+from urllib.parse import unquote
 
 import grpc
 
 from ..config import ServerConfig
-from ..gateway.auth import AuthPolicy, KeySet, presented_keys, tenant_id
+from ..gateway.auth import (ABORT, ADMIN, OPEN, TENANT, AuthPolicy, Caller, Refusal,
+                            is_local_client, presented_keys)
 
 SERVICE = "nibble.v1.Nibble"
 ADMIN_METHODS = frozenset({f"/{SERVICE}/GetServerInfo", f"/{SERVICE}/FlushCache"})
+ABORT_METHOD = f"/{SERVICE}/Abort"
 OPEN_PREFIXES = ("/grpc.health.v1.Health/",)
 Metadata = Iterable[tuple[str, str | bytes]]
+__all__ = ["AuthInterceptor", "Caller", "GrpcAuth", "method_kind", "peer_host"]
 
 
-@dataclass(frozen=True)
-class Caller:
-    tenant: str | None      # tenant id of the verified API key; None when keys are off
-    admin: bool             # may call admin methods and abort any request
+def method_kind(method: str) -> str:
+    if method.startswith(OPEN_PREFIXES):
+        return OPEN
+    if method in ADMIN_METHODS:
+        return ADMIN
+    if method == ABORT_METHOD:
+        return ABORT
+    return TENANT
+
+
+def peer_host(peer: str | None) -> str | None:
+    """The address in a gRPC peer string (``ipv4:127.0.0.1:5`` -> ``127.0.0.1``,
+    ``ipv6:[::1]:5`` -> ``::1``); None for other kinds (unix sockets, unknown)."""
+    if not peer:
+        return None
+    scheme, _, rest = unquote(peer).partition(":")
+    if scheme not in ("ipv4", "ipv6") or not rest:
+        return None
+    host = rest.rsplit(":", 1)[0] if rest.count(":") and not rest.endswith("]") else rest
+    return host.strip("[]")
 
 
 def _headers(metadata: Metadata | None) -> list[tuple[bytes, bytes]]:
@@ -46,7 +70,7 @@ def _headers(metadata: Metadata | None) -> list[tuple[bytes, bytes]]:
 
 
 class GrpcAuth:
-    """Which keys a method needs, and who a call's metadata says it is."""
+    """Which callers a method admits, and who a call says it is."""
 
     def __init__(self, cfg: ServerConfig):
         self.policy = AuthPolicy(cfg)          # raises ConfigError for unusable keys
@@ -55,64 +79,77 @@ class GrpcAuth:
     def enabled(self) -> bool:
         return self.policy.enabled
 
-    def keys_for(self, method: str) -> KeySet | None:
-        if method.startswith(OPEN_PREFIXES):
-            return None
-        if method in ADMIN_METHODS:
-            return self.policy.admin
-        return self.policy.api
+    def identify(self, metadata: Metadata | None, peer: str | None) -> Caller:
+        headers = _headers(metadata)
+        return self.policy.identify(presented_keys(headers),
+                                    is_local_client(peer_host(peer), headers))
 
-    def refusal(self, method: str, metadata: Metadata | None
+    def caller(self, context: grpc.aio.ServicerContext) -> Caller:
+        return self.identify(context.invocation_metadata(), context.peer())
+
+    def refusal(self, method: str, metadata: Metadata | None, peer: str | None
                 ) -> tuple[grpc.StatusCode, str] | None:
         """None when the call may proceed, else its status code and message."""
-        keys = self.keys_for(method)
-        if keys is None:
+        kind = method_kind(method)
+        if kind == OPEN:
             return None
-        presented = presented_keys(_headers(metadata))
-        if any(keys.match(k) for k in presented):
+        found: Refusal | None = self.policy.refusal(kind, self.identify(metadata, peer))
+        if found is None:
             return None
-        if not presented:
-            return (grpc.StatusCode.UNAUTHENTICATED,
-                    f"Missing API key: {method} needs a key, sent as metadata "
-                    "'authorization: Bearer <key>' or 'x-api-key: <key>'.")
-        if method in ADMIN_METHODS and self.policy.api is not None \
-                and any(self.policy.api.match(k) for k in presented):
-            return (grpc.StatusCode.PERMISSION_DENIED,
-                    f"{method} needs an admin API key (--admin-api-key).")
-        return grpc.StatusCode.UNAUTHENTICATED, "Incorrect API key provided."
-
-    def caller(self, metadata: Metadata | None) -> Caller:
-        presented = presented_keys(_headers(metadata))
-        api, admin = self.policy.api, self.policy.admin
-        key = next((k for k in presented if api.match(k)), None) if api is not None else None
-        is_admin = admin is None or any(admin.match(k) for k in presented)
-        return Caller(tenant_id(key) if key is not None else None, is_admin)
+        code = grpc.StatusCode.PERMISSION_DENIED if found.status == 403 \
+            else grpc.StatusCode.UNAUTHENTICATED
+        return code, found.message.replace("this route", method)
 
 
-def _rejecting_handler(handler: grpc.RpcMethodHandler | None, code: grpc.StatusCode,
-                       message: str) -> grpc.RpcMethodHandler:
-    """A handler of the same kind as ``handler`` that only ends the call with ``code``
-    (an unknown method is refused too: without a key, a caller learns nothing)."""
-    async def reject(_request: Any, context: grpc.aio.ServicerContext) -> None:
-        trailers = (("www-authenticate", "Bearer"),) \
-            if code is grpc.StatusCode.UNAUTHENTICATED else ()
-        await context.abort(code, message, trailing_metadata=trailers)
+async def _refuse(context: grpc.aio.ServicerContext, code: grpc.StatusCode,
+                  message: str) -> None:
+    trailers = (("www-authenticate", "Bearer"),) \
+        if code is grpc.StatusCode.UNAUTHENTICATED else ()
+    await context.abort(code, message, trailing_metadata=trailers)
+
+
+def _guarded_handler(handler: grpc.RpcMethodHandler | None, method: str,
+                     auth: GrpcAuth) -> grpc.RpcMethodHandler:
+    """``handler`` behind the auth check (an unknown method is refused like a known one
+    without a key: a caller learns nothing; with a key it gets UNIMPLEMENTED)."""
+    async def check(context: grpc.aio.ServicerContext) -> None:
+        refusal = auth.refusal(method, context.invocation_metadata(), context.peer())
+        if refusal is not None:
+            await _refuse(context, *refusal)
 
     if handler is None:
-        return grpc.unary_unary_rpc_method_handler(reject)
+        async def unknown(_request: Any, context: grpc.aio.ServicerContext) -> None:
+            await check(context)
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"unknown method {method}")
+        return grpc.unary_unary_rpc_method_handler(unknown)
     kw = {"request_deserializer": handler.request_deserializer,
           "response_serializer": handler.response_serializer}
     if handler.unary_unary:
-        return grpc.unary_unary_rpc_method_handler(reject, **kw)
+        async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            await check(context)
+            return await handler.unary_unary(request, context)
+        return grpc.unary_unary_rpc_method_handler(unary_unary, **kw)
     if handler.unary_stream:
-        return grpc.unary_stream_rpc_method_handler(reject, **kw)
+        async def unary_stream(request: Any, context: grpc.aio.ServicerContext):
+            await check(context)
+            async for item in handler.unary_stream(request, context):
+                yield item
+        return grpc.unary_stream_rpc_method_handler(unary_stream, **kw)
     if handler.stream_unary:
-        return grpc.stream_unary_rpc_method_handler(reject, **kw)
-    return grpc.stream_stream_rpc_method_handler(reject, **kw)
+        async def stream_unary(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+            await check(context)
+            return await handler.stream_unary(requests, context)
+        return grpc.stream_unary_rpc_method_handler(stream_unary, **kw)
+
+    async def stream_stream(requests: Any, context: grpc.aio.ServicerContext):
+        await check(context)
+        async for item in handler.stream_stream(requests, context):
+            yield item
+    return grpc.stream_stream_rpc_method_handler(stream_stream, **kw)
 
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses calls whose metadata lacks the key their method needs (see module doc)."""
+    """Puts the auth check (see module doc) in front of every method but health."""
 
     def __init__(self, auth: GrpcAuth):
         self.auth = auth
@@ -122,7 +159,6 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
                                          Awaitable[grpc.RpcMethodHandler]],
             details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
         handler = await continuation(details)
-        refusal = self.auth.refusal(details.method, details.invocation_metadata)
-        if refusal is None:
+        if method_kind(details.method) == OPEN:
             return handler
-        return _rejecting_handler(handler, *refusal)
+        return _guarded_handler(handler, details.method, self.auth)

@@ -1,8 +1,8 @@
 """One gRPC server: the Nibble service, health, reflection and the API-key interceptor.
 
 Health (``grpc.health.v1``) reports SERVING for ``""`` and ``nibble.v1.Nibble``
-while ``engine.is_healthy()`` holds (polled every ``HEALTH_POLL_S``), then
-NOT_SERVING; once ``stop`` begins it stays NOT_SERVING, so load balancers drain
+while ``engine.is_healthy()`` holds and the server is not draining (polled
+every ``HEALTH_POLL_S``), then NOT_SERVING; once ``stop`` begins it stays NOT_SERVING, so load balancers drain
 the server while open streams finish within the grace period (then they are
 cancelled, which aborts them in the engine).
 
@@ -28,7 +28,9 @@ from nibble.proto.nibble.v1 import nibble_pb2 as pb
 
 from ..config import ServerConfig
 from ..errors import FatalError
+from ..gateway.drain import Drain
 from ..gateway.preparer import Preparer
+from ..gateway.tracking import InFlight
 from ..metrics import Metrics
 from ..tls import grpc_server_credentials
 from .auth import SERVICE, AuthInterceptor, GrpcAuth
@@ -56,20 +58,21 @@ def bind_address(host: str, port: int) -> str:
 class GrpcServer:
     """The gRPC API for ``engine`` on ``cfg.host`` and ``port`` (default ``cfg.grpc_port``).
 
-    ``metrics``, ``inflight`` and ``preparer`` are the HTTP app's (``app.state``) when both
-    APIs run together, so requests of either kind are counted, abortable and prepared
-    alike."""
+    ``metrics``, ``inflight``, ``drain`` and ``preparer`` are the HTTP app's (``app.state``)
+    when both APIs run together, so requests of either kind are counted, abortable, drained
+    and prepared alike."""
 
     def __init__(self, engine: Any, cfg: ServerConfig, port: int | None = None, *,
-                 metrics: Metrics | None = None, inflight: set[str] | None = None,
-                 preparer: Preparer | None = None):
+                 metrics: Metrics | None = None, inflight: InFlight | None = None,
+                 drain: Drain | None = None, preparer: Preparer | None = None):
         self.engine, self.cfg = engine, cfg
         self.port = cfg.grpc_port if port is None else port
         self.auth = GrpcAuth(cfg)
+        inflight = inflight if inflight is not None else InFlight()
+        self.drain = drain if drain is not None else Drain(inflight)
         self._own_preparer = preparer is None
-        self.servicer = NibbleServicer(engine, self.auth, metrics or Metrics(None),
-                                       inflight if inflight is not None else set(),
-                                       preparer or Preparer())
+        self.servicer = NibbleServicer(engine, self.auth, metrics or Metrics(None), inflight,
+                                       self.drain, preparer or Preparer())
         self.health = health_aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
         self._watcher: asyncio.Task | None = None
@@ -111,6 +114,8 @@ class GrpcServer:
         return bound
 
     def _healthy(self) -> bool:
+        if self.drain.draining:
+            return False
         try:
             return bool(self.engine.is_healthy())
         except Exception:  # noqa: BLE001 - a failing check means unhealthy, never a crash

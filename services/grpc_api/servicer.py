@@ -10,8 +10,11 @@ an engine error after it. Requests are tracked like HTTP ones
 
 Request ids: the engine gets a server-unique id; the caller names its request
 with ``request_id`` (or receives the engine's id), unique among its own
-requests in flight. ``Abort`` finds a caller's own requests by that name; an
-admin (or anyone, when API keys are off) may also name any engine id in flight.
+requests in flight. ``Abort`` finds a caller's own requests by that name or by
+engine id (its HTTP requests too); an admin may name any engine id in flight.
+Anything else answers ``num_aborted=0``, as for an unknown id.
+
+While the server drains (gateway/drain.py), ``Generate`` answers UNAVAILABLE.
 """
 
 from __future__ import annotations
@@ -28,12 +31,13 @@ from nibble.proto.nibble.v1 import nibble_pb2 as pb
 from nibble.proto.nibble.v1 import nibble_pb2_grpc as pb_grpc
 
 from ..engine.types import GenerateRequest
-from ..errors import InvalidRequestError
+from ..errors import InvalidRequestError, ServerDrainingError
 from ..gateway.admin import call_engine
 from ..gateway.auth import cache_namespace, redact_keys
+from ..gateway.drain import REFUSED_MESSAGE, Drain
 from ..gateway.preparer import Preparer
 from ..gateway.serving import AbortGuard, EngineOutputError
-from ..gateway.tracking import tracked
+from ..gateway.tracking import InFlight, tracked
 from ..metrics import Metrics
 from .auth import GrpcAuth
 from .convert import prepare, response
@@ -43,16 +47,19 @@ log = logging.getLogger(__name__)
 
 
 class NibbleServicer(pb_grpc.NibbleServicer):
-    def __init__(self, engine: Any, auth: GrpcAuth, metrics: Metrics, inflight: set[str],
-                 preparer: Preparer):
+    def __init__(self, engine: Any, auth: GrpcAuth, metrics: Metrics, inflight: InFlight,
+                 drain: Drain, preparer: Preparer):
         self.engine, self.auth, self.metrics, self.inflight = engine, auth, metrics, inflight
+        self.drain = drain
         self.preparer = preparer                              # tokenizes off the event loop
         self.owned: dict[tuple[str | None, str], str] = {}   # (tenant, caller's id) -> engine id
         self.closing = False                                  # set when the server stops
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[pb.GenerateResponse]:
-        caller = self.auth.caller(context.invocation_metadata())
+        caller = self.auth.caller(context)
+        if self.drain.draining:
+            await abort_with(context, ServerDrainingError(REFUSED_MESSAGE))
         try:
             gen_req = (await self.preparer.run(prepare, self.engine, request)).gen_req
         except Exception as exc:  # noqa: BLE001 - INVALID_ARGUMENT, NOT_FOUND or INTERNAL
@@ -65,17 +72,17 @@ class NibbleServicer(pb_grpc.NibbleServicer):
                                 f"a request named '{name}' is already in flight")
         self.owned[key] = gen_req.request_id
         try:
-            async for msg in self._stream(gen_req, name, context):
+            async for msg in self._stream(gen_req, name, caller.tenant, context):
                 yield msg
         finally:
             self.owned.pop(key, None)
 
-    async def _stream(self, gen_req: GenerateRequest, name: str,
+    async def _stream(self, gen_req: GenerateRequest, name: str, tenant: str | None,
                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
         rid = gen_req.request_id
         guard = AbortGuard(self.engine, rid)
         gen = tracked(self.engine.generate(gen_req), rid, self.metrics.start_request(),
-                      self.inflight)
+                      self.inflight, tenant)
         failure: Exception | None = None
         try:
             async for out in gen:
@@ -98,7 +105,7 @@ class NibbleServicer(pb_grpc.NibbleServicer):
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
                     ) -> pb.AbortResponse:
-        caller = self.auth.caller(context.invocation_metadata())
+        caller = self.auth.caller(context)
         if request.abort_all == bool(request.request_id):
             await abort_with(context, InvalidRequestError(
                 "set either request_id or abort_all", param="request_id"))
@@ -110,7 +117,8 @@ class NibbleServicer(pb_grpc.NibbleServicer):
             log.info("gRPC Abort: aborted all requests (%d)", n)
             return pb.AbortResponse(num_aborted=n)
         rid = self.owned.get((caller.tenant, request.request_id))
-        if rid is None and caller.admin and request.request_id in self.inflight:
+        if rid is None and (request.request_id in self.inflight if caller.admin else
+                            self.inflight.owned_by(request.request_id, caller.tenant)):
             rid = request.request_id
         if rid is None:
             return pb.AbortResponse(num_aborted=0)

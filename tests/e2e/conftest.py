@@ -5,12 +5,12 @@ from __future__ import annotations
 import contextlib
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import httpx
 import pytest
 
-from nibble.bench._server import BenchServerError, ServerProcess
+from nibble.bench._server import SERVE_CMD, BenchServerError, ServerProcess
 
 STARTUP_TIMEOUT_S = 120
 
@@ -18,8 +18,9 @@ STARTUP_TIMEOUT_S = 120
 class Server(ServerProcess):
     """``nibble serve`` on a free loopback port with its log in ``tmp`` (stopped by PID)."""
 
-    def __init__(self, tmp: Path, args: list[str]):
-        super().__init__(args, tmp / "nibble-serve.log")
+    def __init__(self, tmp: Path, args: list[str], cmd: Sequence[str] = SERVE_CMD,
+                 env: dict[str, str] | None = None):
+        super().__init__(args, tmp / "nibble-serve.log", cmd, env)
 
     def wait_healthy(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
         try:

@@ -132,7 +132,7 @@ def test_prefix_reuse_is_per_api_key(server):
 def test_flush_cache_when_idle(server):
     url = f"{server.url}/flush_cache"
     assert httpx.post(url, timeout=30).status_code == 401
-    assert httpx.post(url, timeout=30, headers={"x-api-key": USER_KEY}).status_code == 401
+    assert httpx.post(url, timeout=30, headers={"x-api-key": USER_KEY}).status_code == 403
     r = httpx.post(url, timeout=30, headers=ADMIN)
     assert r.status_code == 200, r.text
     assert value(scrape(server), "nibble:num_cached_pages", "nibble:num_cached_pages") == 0

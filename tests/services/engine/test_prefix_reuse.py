@@ -94,3 +94,14 @@ def test_iso_capacity_nvfp4_keeps_1_78x_the_requests_of_fp8(fp32_model):
     nv, p2 = resident(fp32_model, "nvfp4", pool_bytes)
     assert (fp8, nv) == (9, 16) and p1 == p2 == 0       # 3 pages per request, none preempted
     assert nv / fp8 == pytest.approx(16 / 9, rel=0.01)
+
+
+def test_computed_prompt_tokens_count_only_what_the_model_runs(bf16_model):
+    eng = make_engine(bf16_model)
+    computed = lambda: eng.stats()["prompt_tokens_computed"]  # noqa: E731
+    run_all(eng, [req("a", salt="tenant-a")])
+    assert computed() == 70                          # the whole prompt, decode steps excluded
+    run_all(eng, [req("b", salt="tenant-b")])
+    assert computed() == 140                         # another tenant: computed again in full
+    run_all(eng, [req("c", salt="tenant-a")])
+    assert computed() == 146                         # 64 reused, 6 computed

@@ -35,15 +35,20 @@ def engine(FakeEngine):  # noqa: N803
     return FakeEngine()
 
 
+LOCAL = ("127.0.0.1", 50000)        # a client on loopback, as the default --host serves
+REMOTE = ("203.0.113.7", 50000)     # a client elsewhere on the network (TEST-NET-3)
+
+
 @pytest.fixture
 def make_client():
-    """make_client(engine, server_cfg=None) -> TestClient; server exceptions become
-    responses, as in uvicorn."""
+    """make_client(engine, server_cfg=None, client=LOCAL) -> TestClient; server exceptions
+    become responses, as in uvicorn. ``client`` is the address the app sees."""
     clients = []
 
-    def make(engine, server_cfg: ServerConfig | None = None) -> TestClient:
+    def make(engine, server_cfg: ServerConfig | None = None,
+             client: tuple[str, int] = LOCAL) -> TestClient:
         c = TestClient(create_app(engine, server_cfg or ServerConfig()),
-                       raise_server_exceptions=False)
+                       raise_server_exceptions=False, client=client)
         clients.append(c)
         return c
 

@@ -8,8 +8,11 @@ import pytest
 
 from nibble.services.config import ServerConfig
 from nibble.services.errors import ConfigError
-from nibble.services.gateway.auth import (AuthPolicy, KeySet, cache_namespace, is_loopback,
-                                          log_security_posture, presented_keys, tenant_id)
+from nibble.services.gateway.auth import (AuthPolicy, KeySet, cache_namespace, check_exposure,
+                                          is_local_client, is_loopback, log_security_posture,
+                                          presented_keys, tenant_id)
+
+from .conftest import REMOTE
 
 COMPLETION = {"prompt": "ab", "max_tokens": 2}
 BOTH = ServerConfig(api_keys=("sk-user", "sk-user2"), admin_api_keys=("sk-admin",))
@@ -75,25 +78,40 @@ def test_right_key_opens_openai_routes(FakeEngine, make_client, headers):
     assert call(client, "models", headers).status_code == 200
 
 
+def assert_403(r) -> dict:
+    assert r.status_code == 403, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["type"] == "permission_error" and err["code"] == "insufficient_permissions"
+    return err
+
+
 def test_admin_routes_need_the_admin_key(FakeEngine, make_client):
     engine = FakeEngine()
     client = make_client(engine, BOTH)
     for route in ("server_info", "flush"):
-        err = assert_401(call(client, route, bearer("sk-user")))     # an API key is not enough
+        err = assert_403(call(client, route, bearer("sk-user")))     # an API key is not enough
         assert "admin API key" in err["message"]
+        assert_401(call(client, route))                  # loopback is no excuse with an admin key
         assert call(client, route, bearer("sk-admin")).status_code == 200
         assert call(client, route, {"x-api-key": "sk-admin"}).status_code == 200
-    assert_401(client.post("/abort_request", json={"abort_all": True}, headers=bearer("sk-user")))
+    err = assert_403(client.post("/abort_request", json={"abort_all": True},
+                                 headers=bearer("sk-user")))
+    assert "abort_all" in err["message"]
     r = client.post("/abort_request", json={"abort_all": True}, headers=bearer("sk-admin"))
     assert r.status_code == 200
     assert engine.flushes == 2
 
 
-def test_admin_routes_fall_back_to_api_keys(FakeEngine, make_client):
-    client = make_client(FakeEngine(), API_ONLY)
-    assert_401(call(client, "server_info"))
-    assert_401(call(client, "server_info", bearer("sk-admin")))
-    assert call(client, "server_info", bearer("sk-user")).status_code == 200
+def test_without_an_admin_key_admin_routes_are_loopback_only(FakeEngine, make_client):
+    engine = FakeEngine()
+    local, remote = make_client(engine, API_ONLY), make_client(engine, API_ONLY, REMOTE)
+    assert call(local, "server_info").status_code == 200            # no key needed locally
+    err = assert_403(call(remote, "server_info", bearer("sk-user")))  # a tenant key: no
+    assert "loopback" in err["message"]
+    proxied = call(local, "server_info", {"X-Forwarded-For": "203.0.113.9"})
+    assert "loopback" in assert_403(proxied)["message"]               # a proxy on loopback: no
+    assert engine.flushes == 0
 
 
 def test_admin_keys_alone_leave_openai_routes_open(FakeEngine, make_client):
@@ -189,10 +207,19 @@ def test_keys_do_not_show_in_repr():
 
 
 @pytest.mark.parametrize("host, loopback", [("127.0.0.1", True), ("localhost", True),
-                                            ("::1", True), ("[::1]", True), ("0.0.0.0", False),
-                                            ("", False), ("10.1.2.3", False), ("myhost", False)])
+                                            ("::1", True), ("[::1]", True), ("127.8.9.1", True),
+                                            ("::ffff:127.0.0.1", True), ("0.0.0.0", False),
+                                            ("", False), ("10.1.2.3", False), ("myhost", False),
+                                            ("::ffff:10.0.0.1", False), ("testclient", False)])
 def test_is_loopback(host, loopback):
     assert is_loopback(host) is loopback
+
+
+@pytest.mark.parametrize("header", [b"x-forwarded-for", b"X-Real-IP", b"forwarded"])
+def test_a_proxied_request_is_not_local(header):
+    assert is_local_client("127.0.0.1", [(b"host", b"x")])
+    assert not is_local_client("127.0.0.1", [(header, b"203.0.113.9")])
+    assert not is_local_client(None, []) and not is_local_client("10.0.0.2", [])
 
 
 def _posture(cfg: ServerConfig, caplog) -> list[logging.LogRecord]:
@@ -204,14 +231,34 @@ def _posture(cfg: ServerConfig, caplog) -> list[logging.LogRecord]:
 
 def test_security_posture_logging(caplog):
     recs = _posture(ServerConfig(), caplog)
-    assert [r.levelno for r in recs] == [logging.INFO]
+    assert [r.levelno for r in recs] == [logging.INFO, logging.INFO]
     assert "unauthenticated" in recs[0].message and "loopback" in recs[0].message
-    recs = _posture(ServerConfig(host="0.0.0.0"), caplog)
+    assert "loopback clients only" in recs[1].message
+    recs = _posture(ServerConfig(host="0.0.0.0", allow_unauthenticated=True), caplog)
     assert recs[0].levelno == logging.WARNING and "SECURITY WARNING" in recs[0].message
-    assert "admin routes" in recs[0].message
-    recs = _posture(ServerConfig(host="0.0.0.0", admin_api_keys=("k",)), caplog)
-    assert recs[0].levelno == logging.WARNING and "(/v1)." in recs[0].message
-    recs = _posture(ServerConfig(host="0.0.0.0", api_keys=("k",)), caplog)
+    recs = _posture(ServerConfig(host="0.0.0.0", api_keys=("k",), admin_api_keys=("a",)),
+                    caplog)
     assert all(r.levelno == logging.INFO for r in recs)
     assert not any("unauthenticated" in r.message for r in recs)
+    assert "need a key from --admin-api-key" in recs[1].message
     assert all("k" not in r.args for r in recs if r.args)
+
+
+@pytest.mark.parametrize("cfg", [ServerConfig(host="0.0.0.0"), ServerConfig(host=""),
+                                 ServerConfig(host="10.1.2.3", grpc_port=50051),
+                                 ServerConfig(host="::", admin_api_keys=("adm",))],
+                         ids=["any-v4", "all", "lan-grpc", "admin-key-only"])
+def test_exposed_host_without_api_key_is_refused(cfg, caplog):
+    with pytest.raises(ConfigError, match="refusing to serve") as e:
+        _posture(cfg, caplog)
+    assert "--allow-unauthenticated" in str(e.value) and "--api-key-file" in str(e.value)
+    if cfg.grpc_port:
+        assert "gRPC port 50051" in str(e.value)
+
+
+@pytest.mark.parametrize("cfg", [ServerConfig(host="127.0.0.1"), ServerConfig(host="::1"),
+                                 ServerConfig(host="localhost"),
+                                 ServerConfig(host="0.0.0.0", api_keys=("k",)),
+                                 ServerConfig(host="0.0.0.0", allow_unauthenticated=True)])
+def test_loopback_keys_or_explicit_opt_out_start(cfg):
+    check_exposure(cfg)

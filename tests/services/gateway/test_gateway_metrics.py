@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from nibble.services.engine.types import FinishReason, RequestOutput, Usage
 from nibble.services.errors import QueueFullError
-from nibble.services.gateway.tracking import tracked
+from nibble.services.gateway.tracking import InFlight, tracked
 from nibble.services.metrics import Metrics
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
@@ -213,7 +213,7 @@ def _outputs(n: int, finish: bool, exc: BaseException | None = None):
 def _track(source, consume: int | None = None, raises: type | None = None) -> tuple[dict, set]:
     """Run ``tracked`` over ``source``, reading ``consume`` outputs (None: all) then closing;
     ``raises``: the source's exception, which must reach the consumer unchanged."""
-    m, inflight = Metrics(), set()
+    m, inflight = Metrics(), InFlight()
 
     async def main():
         gen = tracked(source, "r1", m.start_request(), inflight)

@@ -10,7 +10,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from nibble.proto.nibble.v1 import nibble_pb2 as pb
 from nibble.services.config import ServerConfig
 from nibble.services.gateway.auth import tenant_id
-from nibble.services.grpc_api.auth import GrpcAuth
+from nibble.services.grpc_api.auth import GrpcAuth, peer_host
 
 from .conftest import run, serving, wait_for
 
@@ -35,22 +35,42 @@ async def code_of(aw) -> grpc.StatusCode:
     return Code.OK
 
 
+LOCAL, REMOTE = "ipv4:127.0.0.1:5000", "ipv4:203.0.113.7:5000"
+
+
 def test_policy_by_method():
     auth = GrpcAuth(KEYS)
     gen, info = "/nibble.v1.Nibble/Generate", "/nibble.v1.Nibble/GetServerInfo"
-    assert auth.refusal("/grpc.health.v1.Health/Check", ()) is None
-    assert auth.refusal(gen, ())[0] == Code.UNAUTHENTICATED
-    assert auth.refusal(gen, bearer("sk-nope"))[0] == Code.UNAUTHENTICATED
-    assert auth.refusal(gen, bearer("sk-user")) is None
-    assert auth.refusal(gen, (("x-api-key", "sk-other"),)) is None
-    assert auth.refusal(gen, bearer("sk-admin")) is None          # admin keys work on /v1 too
-    assert auth.refusal(info, bearer("sk-user"))[0] == Code.PERMISSION_DENIED
-    assert auth.refusal(info, bearer("sk-admin")) is None
-    assert auth.refusal("/unknown.Service/X", ())[0] == Code.UNAUTHENTICATED
-    assert auth.caller(bearer("sk-user")).tenant == tenant_id(b"sk-user")
-    assert not auth.caller(bearer("sk-user")).admin and auth.caller(bearer("sk-admin")).admin
+    assert auth.refusal("/grpc.health.v1.Health/Check", (), REMOTE) is None
+    assert auth.refusal(gen, (), LOCAL)[0] == Code.UNAUTHENTICATED
+    assert auth.refusal(gen, bearer("sk-nope"), LOCAL)[0] == Code.UNAUTHENTICATED
+    assert auth.refusal(gen, bearer("sk-user"), REMOTE) is None
+    assert auth.refusal(gen, (("x-api-key", "sk-other"),), REMOTE) is None
+    assert auth.refusal(gen, bearer("sk-admin"), REMOTE) is None  # admin keys work on /v1 too
+    assert auth.refusal(info, bearer("sk-user"), LOCAL)[0] == Code.PERMISSION_DENIED
+    assert auth.refusal(info, (), LOCAL)[0] == Code.UNAUTHENTICATED
+    assert auth.refusal(info, bearer("sk-admin"), REMOTE) is None
+    assert auth.refusal("/unknown.Service/X", (), LOCAL)[0] == Code.UNAUTHENTICATED
+    assert auth.identify(bearer("sk-user"), LOCAL).tenant == tenant_id(b"sk-user")
+    assert not auth.identify(bearer("sk-user"), LOCAL).admin
+    assert auth.identify(bearer("sk-admin"), REMOTE).admin
+    no_admin_key = GrpcAuth(ServerConfig(api_keys=("sk-user",)))
+    assert no_admin_key.refusal(info, (), LOCAL) is None
+    assert no_admin_key.refusal(info, bearer("sk-user"), REMOTE)[0] == Code.PERMISSION_DENIED
+    assert no_admin_key.refusal(info, (("x-forwarded-for", "1.2.3.4"),), LOCAL)[0] == \
+        Code.PERMISSION_DENIED
     open_auth = GrpcAuth(ServerConfig())
-    assert open_auth.refusal(info, ()) is None and open_auth.caller(()).admin
+    assert open_auth.refusal(info, (), LOCAL) is None and open_auth.identify((), LOCAL).admin
+    assert open_auth.refusal(info, (), REMOTE)[0] == Code.PERMISSION_DENIED
+
+
+@pytest.mark.parametrize("peer, host", [("ipv4:127.0.0.1:5000", "127.0.0.1"),
+                                        ("ipv6:[::1]:5000", "::1"),
+                                        ("ipv6:%5B::1%5D:5000", "::1"),
+                                        ("ipv6:[::ffff:10.0.0.1]:1", "::ffff:10.0.0.1"),
+                                        ("unix:/tmp/s", None), ("", None), (None, None)])
+def test_peer_host(peer, host):
+    assert peer_host(peer) == host
 
 
 def test_keys_enforced_on_the_wire(FakeEngine):
