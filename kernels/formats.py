@@ -99,12 +99,17 @@ class KRecipe:
 
 @dataclass(frozen=True)
 class KVCacheFormat:
-    """A named pair of element formats: one for K, one for V (and an optional K recipe)."""
+    """A named pair of element formats: one for K, one for V (and an optional K recipe).
+
+    ``experimental``: a research format (an ablation or an alternative K recipe), offered
+    by ``--kv-cache-dtype`` only with ``--enable-experimental-kv-formats``.
+    """
 
     name: str
     k: ElementFormat
     v: ElementFormat
     k_recipe: KRecipe | None = None
+    experimental: bool = False
 
     def bytes_per_token_per_layer(self, num_kv_heads: int, head_dim: int) -> int:
         """Bytes one token occupies in one layer, K and V, codes and scales."""
@@ -122,6 +127,11 @@ def register_kv_format(fmt: KVCacheFormat) -> KVCacheFormat:
     return fmt
 
 
+def kv_format_names(experimental: bool = False) -> list[str]:
+    """Registered format names, sorted; the experimental ones only if ``experimental``."""
+    return sorted(n for n, f in KV_CACHE_FORMATS.items() if experimental or not f.experimental)
+
+
 def get_kv_format(name: str) -> KVCacheFormat:
     try:
         return KV_CACHE_FORMATS[name]
@@ -136,4 +146,4 @@ register_kv_format(KVCacheFormat("fp8_e4m3", FP8_E4M3, FP8_E4M3))
 # exact attention sink, balanced smoothing + Hadamard folded into q); docs/accuracy.md.
 DEFAULT_K_RECIPE = KRecipe(center="sink", transform="balanced")
 register_kv_format(KVCacheFormat("nvfp4", NVFP4, NVFP4, DEFAULT_K_RECIPE))
-register_kv_format(KVCacheFormat("nvfp4_plain", NVFP4, NVFP4))
+register_kv_format(KVCacheFormat("nvfp4_plain", NVFP4, NVFP4, experimental=True))

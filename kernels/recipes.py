@@ -149,10 +149,10 @@ NVFP4_HAD = ElementFormat("nvfp4_had", lambda d: d // 2, lambda d: d // BLOCK,
 NVFP4_HAD46 = ElementFormat("nvfp4_had46", lambda d: d // 2, lambda d: d // BLOCK,
                             _rotated(quantize_nvfp4_k46), dequantize_nvfp4_rotated, True)
 
-register_kv_format(KVCacheFormat("nvfp4_k46", NVFP4_K46, NVFP4))
-register_kv_format(KVCacheFormat("nvfp4_khad", NVFP4_HAD, NVFP4))
-register_kv_format(KVCacheFormat("nvfp4_khad46", NVFP4_HAD46, NVFP4))
-register_kv_format(KVCacheFormat("fp8k_nvfp4v", FP8_E4M3, NVFP4))
+register_kv_format(KVCacheFormat("nvfp4_k46", NVFP4_K46, NVFP4, experimental=True))
+register_kv_format(KVCacheFormat("nvfp4_khad", NVFP4_HAD, NVFP4, experimental=True))
+register_kv_format(KVCacheFormat("nvfp4_khad46", NVFP4_HAD46, NVFP4, experimental=True))
+register_kv_format(KVCacheFormat("fp8k_nvfp4v", FP8_E4M3, NVFP4, experimental=True))
 
 
 # ------------------------------------------------------------------ calibrated recipes
@@ -268,4 +268,4 @@ for _name, _k, _recipe in [("nvfp4_kmean", NVFP4, KRecipe("mean")), ("nvfp4_kc",
                            ("nvfp4_kcs", NVFP4, KRecipe("sink", "diag")), ("nvfp4_kcb", NVFP4, _KCB),
                            ("nvfp4_kcb_vc", NVFP4, KRecipe("sink", "balanced", True)),
                            ("nvfp4_kcb46", NVFP4_K46, _KCB)]:
-    register_kv_format(KVCacheFormat(_name, _k, NVFP4, _recipe))
+    register_kv_format(KVCacheFormat(_name, _k, NVFP4, _recipe, experimental=True))

@@ -50,12 +50,14 @@ class TorchAttentionBackend(AttentionBackend):
         prefill_kv_dtype: "auto" or "fp8_e4m3" (fresh K/V and the extend
             workspace are cast to FP8 E4M3 first, as SGLang's recipe does).
         sliding_windows: per-layer windows (see ``set_sliding_windows``); empty = all full.
+        device_cfg: the device slice (accepted like every backend's; torch has no kernel
+            choice to make).
     """
 
     supports_sliding_window = True
 
     def __init__(self, pool: KVPool, sm_scale: float, prefill_kv_dtype: str = "auto",
-                 sliding_windows: Sequence[int | None] = ()):
+                 sliding_windows: Sequence[int | None] = (), device_cfg=None):
         self.pool = pool
         self.layout = pool.layout
         self.sm_scale = sm_scale

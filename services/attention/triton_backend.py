@@ -16,7 +16,7 @@ lengths, the extend masks) and allocates the extend workspace; every layer's
   :func:`~nibble.kernels.cuda.decode_attention_cuda` where it applies
   (``decode_impl == "cuda-sm90"``), else the portable
   :func:`~nibble.kernels.triton.decode_attention` (``"triton"``); chosen once at
-  construction by :mod:`.decode_select` (``NIBBLE_DECODE_KERNEL`` overrides).
+  construction by :mod:`.decode_select` (``--decode-kernel`` overrides).
 
 Global scales live on the device as one-element fp32 views of a ``[L, 2]``
 tensor, refreshed in ``plan`` only when the pool's ``scale_version`` changes.
@@ -25,8 +25,8 @@ tensor, refreshed in ``plan`` only when the pool's ``scale_version`` changes.
 from __future__ import annotations
 
 import functools
-
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 import triton
@@ -43,6 +43,9 @@ from ..errors import ConfigError
 from .base import AttentionBackend, AttentionMetadata, RecipeHook, fresh_kv, register_backend
 from .decode_select import (CUDA_SM90, DecodeChoice, confirm_group, select_decode_impl,
                             select_store_impl)
+
+if TYPE_CHECKING:
+    from ..config import DeviceConfig
 
 DECODE_HEAD_DIMS = (64, 128, 256)
 log = logging.getLogger(__name__)
@@ -72,23 +75,27 @@ class TritonAttentionBackend(AttentionBackend):
         num_q_heads: the model's query heads, if known; else the GQA group is
             checked at the first decode (a group the CUDA kernel lacks falls
             back to Triton there, with a warning).
+        device_cfg: the device slice; its ``decode_kernel`` and ``store_kernel``
+            (auto|triton|cuda) pick the kernels (None: both auto).
 
     Attributes:
         decode_impl: "cuda-sm90" or "triton", the decode kernel (see :mod:`.decode_select`).
 
     Raises:
         ConfigError: where :meth:`unsupported_reason` finds a reason, or
-            ``NIBBLE_DECODE_KERNEL`` is invalid or forces a CUDA kernel that cannot run.
+            ``--decode-kernel``/``--store-kernel`` force a CUDA kernel that cannot run.
     """
 
     def __init__(self, pool: KVPool, sm_scale: float, prefill_kv_dtype: str = "auto",
-                 num_q_heads: int | None = None):
+                 num_q_heads: int | None = None, device_cfg: DeviceConfig | None = None):
         reason = self.unsupported_reason(pool.layout, pool.device)
         if reason is not None:
             raise ConfigError(reason)
+        decode_kernel, store_kernel = ("auto", "auto") if device_cfg is None else \
+            (device_cfg.decode_kernel, device_cfg.store_kernel)
         self.layout = pool.layout
-        self.store_impl = select_store_impl(pool.layout, pool.device)
-        self._set_decode(select_decode_impl(pool.layout, pool.device, num_q_heads))
+        self.store_impl = select_store_impl(pool.layout, pool.device, store_kernel)
+        self._set_decode(select_decode_impl(pool.layout, pool.device, num_q_heads, decode_kernel))
         self._group_checked = num_q_heads is not None
         log.info("decode kernel: %s (%s); store kernel: %s", self.decode_impl,
                  self._decode_choice.why, self.store_impl)

@@ -243,7 +243,8 @@ def build_parts(cfg: NibbleConfig) -> EngineParts:
     # The format's K recipe, if any: calibrated over the context the engine will serve.
     calibrate_pool(loaded.model, loaded.tokenizer, pool, arch, cfg.model.context_length)
     per_format = {name: PageLayout(name, **geometry).bytes_per_token for name in KV_CACHE_FORMATS}
-    backend = ATTENTION_BACKENDS[backend_name](pool, arch.sm_scale, cfg.cache.prefill_kv_dtype)
+    backend = ATTENTION_BACKENDS[backend_name](pool, arch.sm_scale, cfg.cache.prefill_kv_dtype,
+                                               device_cfg=cfg.device)
     backend.set_sliding_windows(arch.sliding_windows)
     context = min(cfg.model.context_length or arch.max_position_embeddings,
                   arch.max_position_embeddings)

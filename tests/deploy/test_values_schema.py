@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from nibble.services.cli import build_parser
+from nibble.services.config import flag_aliases
 
 from .helpers import CHART
 
@@ -25,6 +26,8 @@ CHART_MANAGED = {"host", "port", "grpc-port", "disaggregate", "prefill-workers",
                  "allow-unauthenticated", "graceful-shutdown-timeout", "ssl-keyfile",
                  "ssl-certfile", "ssl-ca-certs", "kv-transfer-ssl-certfile",
                  "kv-transfer-ssl-keyfile", "kv-transfer-ssl-ca-certs"}
+# SGLang's names for Nibble's flags: serve.flags takes Nibble's names only (one key per setting).
+ALIASES = {alias[2:]: own[2:] for alias, own in flag_aliases().items()}
 
 
 def serve_options() -> dict[str, argparse.Action]:
@@ -77,9 +80,18 @@ def test_every_nibble_serve_flag_is_settable_or_set_by_the_chart():
     """A new `nibble serve` flag needs a line in values.schema.json (serve.flags) or the chart."""
     options = set(serve_options())
     assert CHART_MANAGED <= options, CHART_MANAGED - options
-    missing = options - set(FLAGS) - CHART_MANAGED
+    missing = options - set(FLAGS) - CHART_MANAGED - set(ALIASES)
     assert not missing, f"add these flags to serve.flags in values.schema.json: {sorted(missing)}"
     assert not CHART_MANAGED & set(FLAGS)
+
+
+def test_sglang_aliases_are_flags_but_not_chart_values():
+    options = serve_options()
+    assert {"hicache-storage-prefetch-policy", "disaggregation-mode",
+            "disaggregation-transfer-backend"} <= set(ALIASES)
+    for alias, own in ALIASES.items():
+        assert alias in options and own in options, alias
+        assert alias not in FLAGS and alias not in CHART_MANAGED, alias
 
 
 def test_schema_rejects_what_the_chart_must_not_accept():

@@ -5,6 +5,8 @@ Faked devices and capabilities; nothing is ever compiled (``no_compile``).
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -97,3 +99,51 @@ def test_capability_not_asked_for_cpu_or_unfit_layouts(monkeypatch, no_compile):
     monkeypatch.setattr(torch.cuda, "get_device_capability", boom)
     assert ds.select_decode_impl(layout(), CPU).impl == "triton"
     assert ds.select_decode_impl(layout("bf16"), CUDA).impl == "triton"
+
+
+# ---------------------------------------------------------------- --decode-kernel / --store-kernel
+
+def test_flag_forces_the_kernel(fake_cap, no_compile):
+    choice = ds.select_decode_impl(layout(), CUDA, None, "triton")
+    assert (choice.impl, choice.why, choice.forced) == ("triton", "--decode-kernel triton", True)
+    choice = ds.select_decode_impl(layout(), CUDA, None, "cuda")
+    assert (choice.impl, choice.why, choice.forced) == ("cuda-sm90", "--decode-kernel cuda", True)
+    with pytest.raises(ConfigError, match=r"--decode-kernel cuda: .*head_dim 128"):
+        ds.select_decode_impl(layout(head_dim=64), CUDA, None, "cuda")
+    with pytest.raises(ConfigError, match=r"--decode-kernel cuda: .*query heads"):
+        ds.confirm_group(choice, 32, 2)
+    assert ds.select_store_impl(layout(), CUDA, "cuda") == "cuda-sm90"
+    with pytest.raises(ConfigError, match="--store-kernel cuda: .*writes NVFP4 pages"):
+        ds.select_store_impl(layout("fp8_e4m3"), CUDA, "cuda")
+    with pytest.raises(ConfigError, match="--decode-kernel must be one of"):
+        ds.select_decode_impl(layout(), CUDA, None, "flash")
+
+
+def test_flag_wins_over_the_deprecated_env(fake_cap, no_compile, monkeypatch, caplog):
+    monkeypatch.setenv(ds.ENV_VAR, "cuda")
+    monkeypatch.setenv(ds.STORE_ENV_VAR, "cuda")
+    assert ds.select_decode_impl(layout(), CUDA, None, "triton").impl == "triton"
+    assert ds.select_store_impl(layout(), CUDA, "triton") == "triton"
+    monkeypatch.setattr(ds, "_warned", set())
+    with caplog.at_level(logging.WARNING, logger=ds.__name__):
+        why = ds.select_decode_impl(layout(), CUDA, None, "auto").why
+        assert why == "NIBBLE_DECODE_KERNEL=cuda"
+        assert ds.select_store_impl(layout(), CUDA) == "cuda-sm90"
+    assert "$NIBBLE_DECODE_KERNEL is deprecated; use --decode-kernel cuda" in caplog.text
+    assert "$NIBBLE_STORE_KERNEL is deprecated; use --store-kernel cuda" in caplog.text
+
+
+def test_the_backend_reads_its_device_slice(fake_cap, no_compile):
+    from types import SimpleNamespace
+
+    from nibble.services.attention import TritonAttentionBackend
+    from nibble.services.config import DeviceConfig
+    if TritonAttentionBackend is None:
+        pytest.skip("Triton is not importable")
+
+    def backend(**kw):
+        return TritonAttentionBackend(SimpleNamespace(layout=layout(), device=CUDA), 0.1,
+                                      device_cfg=DeviceConfig(**kw))
+    assert backend().decode_impl == "cuda-sm90" and backend().store_impl == "triton"
+    b = backend(decode_kernel="triton", store_kernel="cuda")
+    assert (b.decode_impl, b.store_impl) == ("triton", "cuda-sm90")

@@ -148,7 +148,7 @@ def _build(tmp_path, kv: str):
     (tmp_path / "config.json").write_text(json.dumps(TINY))
     args = build_parser().parse_args(["serve", "--model-path", str(tmp_path), "--load-format",
                                       "dummy", "--max-total-tokens", "256", "--device", "cpu",
-                                      "--kv-cache-dtype", kv])
+                                      "--kv-cache-dtype", kv, "--enable-experimental-kv-formats"])
     return build_parts(config_from_args(args))
 
 
