@@ -64,6 +64,7 @@ class SchedulerConfig:
     max_queued_requests: int | None = None  # admission gate: 503 + Retry-After beyond it
     schedule_policy: str = "fcfs"          # fcfs | lpm (longest prefix match first)
     schedule_conservativeness: float = 1.0  # share of running requests' future decode pages held back
+    debug_checks: bool = False             # check the KV cache's bookkeeping whenever the engine idles
 
 
 @dataclass(frozen=True)
@@ -174,6 +175,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--schedule-policy", default=d.scheduler.schedule_policy, choices=["fcfs", "lpm"])
     g.add_argument("--schedule-conservativeness", type=float,
                    default=d.scheduler.schedule_conservativeness)
+    g.add_argument("--debug-checks", action="store_true")
     dd = DisaggConfig()
     g = p.add_argument_group("disaggregated serving (Ray)")
     g.add_argument("--disaggregate", action="store_true")
@@ -276,7 +278,8 @@ def config_from_args(ns: argparse.Namespace, env: Mapping[str, str] | None = Non
             get("hicache_storage_password_file")),
         scheduler=SchedulerConfig(ns.max_running_requests, ns.chunked_prefill_size,
                                   ns.max_prefill_tokens, ns.max_queued_requests,
-                                  ns.schedule_policy, ns.schedule_conservativeness),
+                                  ns.schedule_policy, ns.schedule_conservativeness,
+                                  get("debug_checks", False)),
         disagg=DisaggConfig(
             disaggregate=get("disaggregate", False), prefill_workers=get("prefill_workers", 1),
             decode_workers=get("decode_workers", 1), ray_address=get("ray_address"),
