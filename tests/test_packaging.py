@@ -87,3 +87,17 @@ def test_import_direction(folder):
 def test_renamed_packages_import_only_what_they_may(folder):
     bad = _bad_imports(folder, ALLOWED_RENAMED[RENAMED[folder]])
     assert not bad, bad
+
+
+# The KV cache's parts, which only KVCacheManager may drive (``tiering.kv_cache_manager``).
+CACHE_PARTS = {"nibble.tiering", "nibble.tiering.allocator", "nibble.tiering.kv_pool",
+               "nibble.tiering.radix_cache", "nibble.tiering.tier_manager",
+               "nibble.tiering.tier_worker", "nibble.tiering.host_pool"}
+MANAGER_ONLY = ["services/engine/scheduler.py", "services/engine/kv_connector.py",
+                *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "services/disagg").glob("*.py"))]
+
+
+@pytest.mark.parametrize("path", MANAGER_ONLY)
+def test_the_scheduler_and_disaggregation_see_only_the_cache_manager(path):
+    bad = [mod for mod in _our_imports(ROOT / path) if mod in CACHE_PARTS]
+    assert not bad, f"{path} imports {bad}; use nibble.tiering.kv_cache_manager"

@@ -13,6 +13,8 @@ from typing import Iterable, NewType
 
 from nibble.kernels.errors import FatalError
 
+from .errors import CacheIntegrityError
+
 PageId = NewType("PageId", int)
 _NIL = -1
 
@@ -116,6 +118,28 @@ class PageAllocator:
             self._ref[page] -= 1
             if self._ref[page] == 0:
                 self._append(page)
+
+    def check_integrity(self) -> None:
+        """Raise CacheIntegrityError unless the free list, the free flags, the free
+        count and the refcounts agree: every page is either on the list with
+        refcount 0 or off it with refcount >= 1, and the list's links run both
+        ways. O(num_pages); for debug mode and tests."""
+        problems, seen, prev, page = [], 0, _NIL, self._head
+        while page != _NIL and seen <= self.num_pages:
+            if self._prev[page] != prev:
+                problems.append(f"page {page}: prev link {self._prev[page]} != {prev}")
+            if not self._in_free[page] or self._ref[page] != 0:
+                problems.append(f"page {page} on the free list with refcount {self._ref[page]}")
+            prev, page, seen = page, self._next[page], seen + 1
+        if prev != self._tail:
+            problems.append(f"free list ends at {prev}, tail is {self._tail}")
+        if seen != self._num_free or sum(self._in_free) != self._num_free:
+            problems.append(f"free list holds {seen} pages, {sum(self._in_free)} flagged, "
+                            f"{self._num_free} counted")
+        problems += [f"page {p} is off the free list with refcount {r}"
+                     for p, r in enumerate(self._ref) if not self._in_free[p] and r < 1]
+        if problems:
+            raise CacheIntegrityError("allocator: " + "; ".join(problems[:8]))
 
     def free_list(self) -> list[PageId]:
         """The free pages from head to tail (for tests and debugging; O(free))."""

@@ -11,8 +11,9 @@ import threading
 from collections import OrderedDict
 from typing import Callable
 
-
 from nibble.kernels import PageLayout
+
+from .errors import CacheArgumentError
 
 # Called with (key, slot) just before an LRU slot is reused; may read the slot.
 EvictHook = Callable[[bytes, int], None]
@@ -23,7 +24,7 @@ class HostPool:
 
     def __init__(self, layout: PageLayout, num_pages: int, pin_memory: bool = False):
         if num_pages <= 0:
-            raise ValueError(f"host pool needs > 0 pages, got {num_pages}")
+            raise CacheArgumentError(f"host pool needs > 0 pages, got {num_pages}")
         self.layout = layout
         self.num_pages = num_pages
         self.data = layout.allocate(num_pages, "cpu", pin_memory=pin_memory)

@@ -1,7 +1,9 @@
 """The device KV pool (tier L1): one page tensor, global scales, an allocator.
 
-Only this module and the tier manager (later) touch page bytes; everything
-else holds page ids.
+The pool's bytes are written by the attention backends (new K/V), the tier
+manager (loads from L2, write-back) and KV transports; everything else holds
+page ids. Allocation and freeing go through ``KVCacheManager`` once one owns
+the pool.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from nibble.kernels import KernelInputError, LayerPages, PageLayout
 from nibble.kernels.recipes import RecipeParams
 
 from .allocator import PageAllocator, PageId
+from .errors import CacheStateError
 
 
 @dataclass(frozen=True)
@@ -58,7 +61,7 @@ class KVPool:
         self.recipe_params: RecipeParams | None = None
         self.allocator = PageAllocator(num_pages)
         self._views = [layout.layer_view(self.pages, i) for i in range(layout.num_layers)]
-        self._reuse_hooks: list[Callable[[list[PageId]], None]] = []
+        self._before_reuse: Callable[[list[PageId]], None] | None = None
 
     @property
     def num_pages(self) -> int:
@@ -75,7 +78,7 @@ class KVPool:
     def set_global_scales(self, scales: torch.Tensor) -> None:
         """Replace the per-layer scales (only valid while no page is in use)."""
         if self.allocator.num_used:
-            raise RuntimeError("global scales can only change while the pool is empty")
+            raise CacheStateError("global scales can only change while the pool is empty")
         self.global_scales = scales.to(torch.float32).clone()
         self.scale_version += 1
 
@@ -92,7 +95,7 @@ class KVPool:
                 parameters do not fit the layout.
         """
         if self.allocator.num_used:
-            raise RuntimeError("K recipe parameters can only change while the pool is empty")
+            raise CacheStateError("K recipe parameters can only change while the pool is empty")
         lay = self.layout
         if lay.fmt.k_recipe is None or params.recipe != lay.fmt.k_recipe:
             raise KernelInputError(f"parameters of recipe {params.recipe} do not belong to KV "
@@ -108,22 +111,21 @@ class KVPool:
                             self.num_pages * lay.page_size, lay.bytes_per_token,
                             self.num_pages * lay.page_nbytes)
 
-    def add_reuse_hook(self, fn: Callable[[list[PageId]], None], first: bool = False) -> None:
-        """Call ``fn(pages)`` with every list of pages ``allocate`` hands out.
+    def set_reuse_hook(self, fn: Callable[[list[PageId]], None] | None) -> None:
+        """Call ``fn(pages)`` with every list of pages ``allocate`` hands out, before the
+        caller writes them: the one place cached pages are evicted as they are reused.
 
-        The prefix cache uses it to evict cached pages lazily as they are reused;
-        the tier manager registers ``first`` so it can write a page down before
-        the cache forgets it.
+        One owner, not a chain: a bare ``RadixCache`` over the pool sets its lazy
+        eviction here; a ``KVCacheManager`` takes the slot over (its ``_before_reuse``
+        drops the pages from the tree, then has the tier manager write back what its
+        policy keeps, in that explicit order).
         """
-        if first:
-            self._reuse_hooks.insert(0, fn)
-        else:
-            self._reuse_hooks.append(fn)
+        self._before_reuse = fn
 
     def allocate(self, n: int) -> list[PageId]:
         pages = self.allocator.allocate(n)
-        for hook in self._reuse_hooks:
-            hook(pages)
+        if self._before_reuse is not None:
+            self._before_reuse(pages)
         return pages
 
     def free(self, pages: list[PageId]) -> None:

@@ -11,10 +11,11 @@ The tree holds no page references. Page lifetime is the allocator's refcount:
 running requests hold references; a page released to refcount 0 goes to the
 allocator's free-list tail but stays cached (in the tree) until the allocator
 hands it out again. The free-list head is therefore the least recently released
-page, and eviction is lazy: ``KVPool.allocate`` calls this cache's reuse hook,
-which drops every reused page, and everything hanging after it, from the tree.
-Pages must therefore be allocated through ``KVPool.allocate`` (not the bare
-allocator) once a cache is attached.
+page, and eviction is lazy: a reused page, and everything hanging after it,
+leaves the tree as ``KVPool.allocate`` hands it out. A bare cache over a pool
+sets that reuse hook itself; under a ``KVCacheManager`` the manager owns the
+hook and calls ``evict_page``. Pages must therefore be allocated through
+``KVPool.allocate`` (not the bare allocator) once a cache is attached.
 
 Invariants:
 - every page in the tree is in ``_node_of`` exactly once, mapped to its node;
@@ -35,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 from .allocator import PageId
+from .errors import CacheArgumentError, CacheIntegrityError, CacheStateError
 
 if TYPE_CHECKING:
     from .kv_pool import KVPool
@@ -52,15 +54,14 @@ class PrefixMatch:
 
 
 class _Node:
-    __slots__ = ("key", "pages", "parent", "children", "last_access", "namespace")
+    __slots__ = ("key", "pages", "parent", "children", "namespace")
 
     def __init__(self, key: tuple[int, ...], pages: list[PageId],
-                 parent: _Node | None, namespace: str, last_access: int = 0):
+                 parent: _Node | None, namespace: str):
         self.key = key
         self.pages = pages
         self.parent = parent
         self.children: dict[tuple[int, ...], _Node] = {}
-        self.last_access = last_access
         self.namespace = namespace
 
 
@@ -68,24 +69,25 @@ class RadixCache:
     """Page-aligned prefix cache over a ``KVPool`` (see the module docstring).
 
     ``pool`` may be None for a tree without refcounts (``lock``/``unlock``
-    then raise). With a pool, the constructor registers the lazy-eviction hook.
+    then raise). With a pool, the constructor sets the pool's reuse hook to this
+    tree's lazy eviction (a ``KVCacheManager`` built over the pool takes it over).
     """
 
     def __init__(self, page_size: int, pool: KVPool | None = None,
                  events: CacheEvent | None = None):
         if page_size <= 0:
-            raise ValueError(f"page_size must be > 0, got {page_size}")
+            raise CacheArgumentError(f"page_size must be > 0, got {page_size}")
         if pool is not None and pool.layout.page_size != page_size:
-            raise ValueError(f"page_size {page_size} != pool page_size {pool.layout.page_size}")
+            raise CacheArgumentError(
+                f"page_size {page_size} != pool page_size {pool.layout.page_size}")
         self.page_size = page_size
         self.pool = pool
         self.events = events
         self.node_visits = 0
         self._roots: dict[str, _Node] = {}
         self._node_of: dict[PageId, _Node] = {}
-        self._clock = 0
         if pool is not None:
-            pool.add_reuse_hook(self._on_reuse)
+            pool.set_reuse_hook(self._on_reuse)
 
     # ---- queries ---------------------------------------------------------
 
@@ -106,8 +108,8 @@ class RadixCache:
 
         At most ``max_pages`` pages (callers pass ``(len(prompt) - 1) // page_size``
         so one token is left to compute); a partial last page is ignored.
-        Refreshes ``last_access`` on the matched path; refcounts are unchanged,
-        so the caller must ``lock`` the pages before anything else allocates.
+        Refcounts are unchanged, so the caller must ``lock`` the pages before
+        anything else allocates (LRU order is the allocator's free list).
         """
         ps = self.page_size
         limit = len(tokens) // ps
@@ -117,14 +119,12 @@ class RadixCache:
         node = self._roots.get(namespace)
         if node is None or limit <= 0:
             return PrefixMatch()
-        self._clock += 1
         while len(pages) < limit:
             pos = len(pages) * ps
             child = node.children.get(tuple(tokens[pos:pos + ps]))
             if child is None:
                 break
             self.node_visits += 1
-            child.last_access = self._clock
             n = self._common_pages(child, tokens, pos, limit - len(pages))
             pages.extend(child.pages[:n])
             if n < len(child.pages):
@@ -157,7 +157,7 @@ class RadixCache:
 
     def _require_pool(self) -> KVPool:
         if self.pool is None:
-            raise RuntimeError("RadixCache has no pool; lock/unlock need one")
+            raise CacheStateError("RadixCache has no pool; lock/unlock need one")
         return self.pool
 
     # ---- insert ----------------------------------------------------------
@@ -168,15 +168,14 @@ class RadixCache:
         Where a page-chunk is already cached, the tree keeps its page and the
         caller's page stays uncached. Returns the number of leading chunks that
         were already present (``len(pages)`` for a repeated insert).
-        Raises ValueError on a length mismatch or when a page to be stored is
-        already cached elsewhere or repeated.
+        Raises CacheArgumentError (a ValueError) on a length mismatch or when a page
+        to be stored is already cached elsewhere or repeated.
         """
         ps, total = self.page_size, len(pages)
         if len(tokens) != total * ps:
-            raise ValueError(f"{len(tokens)} tokens for {total} pages of {ps}")
+            raise CacheArgumentError(f"{len(tokens)} tokens for {total} pages of {ps}")
         if total == 0:
             return 0
-        self._clock += 1
         node = self._roots.get(namespace) or _Node((), [], None, namespace)
         done = 0
         while done < total:
@@ -185,7 +184,6 @@ class RadixCache:
             if child is None:
                 break
             self.node_visits += 1
-            child.last_access = self._clock
             n = self._common_pages(child, tokens, pos, total - done)
             done += n
             if n < len(child.pages):
@@ -199,14 +197,14 @@ class RadixCache:
 
     def _add_leaf(self, parent: _Node, key: tuple[int, ...], pages: list[PageId]) -> None:
         if len(set(pages)) != len(pages) or any(p in self._node_of for p in pages):
-            raise ValueError(f"pages {pages} repeat or are already cached elsewhere")
+            raise CacheArgumentError(f"pages {pages} repeat or are already cached elsewhere")
         ns = parent.namespace
         if parent.parent is not None and not parent.children:
             # Growing a leaf (e.g. one sequence inserted chunk by chunk) keeps the tree compressed.
             leaf = parent
             leaf.key, leaf.pages = leaf.key + key, leaf.pages + pages
         else:
-            leaf = _Node(key, pages, parent, ns, self._clock)
+            leaf = _Node(key, pages, parent, ns)
             parent.children[key[:self.page_size]] = leaf
         if parent.parent is None:
             self._roots[ns] = parent
@@ -222,7 +220,7 @@ class RadixCache:
         """
         ps, parent = self.page_size, node.parent
         assert parent is not None and 0 < n < len(node.pages)
-        head = _Node(node.key[:n * ps], node.pages[:n], parent, node.namespace, node.last_access)
+        head = _Node(node.key[:n * ps], node.pages[:n], parent, node.namespace)
         parent.children[head.key[:ps]] = head
         node.key, node.pages, node.parent = node.key[n * ps:], node.pages[n:], head
         head.children[node.key[:ps]] = node
@@ -296,6 +294,41 @@ class RadixCache:
             self.events(kind, namespace, list(pages))
 
     # ---- debugging -------------------------------------------------------
+
+    def cached_pages(self) -> set[PageId]:
+        """Every page in the tree (O(cached pages); integrity checks and tests)."""
+        return set(self._node_of)
+
+    def check_integrity(self) -> None:
+        """Raise CacheIntegrityError unless the tree keeps its invariants (module
+        docstring): parent links, keys of whole pages, child keys, every page once in
+        ``_node_of`` and mapped to its node, within the pool. O(tree)."""
+        ps, problems, seen = self.page_size, [], 0
+        num_pages = self.pool.num_pages if self.pool is not None else None
+        for ns, root in self._roots.items():
+            if root.parent is not None or root.pages or root.namespace != ns or not root.children:
+                problems.append(f"namespace {ns!r}: a root must be empty, parentless, non-leaf")
+            stack = [root]
+            while stack:
+                node = stack.pop()
+                for key, child in node.children.items():
+                    if child.parent is not node or key != child.key[:ps] or child.namespace != ns:
+                        problems.append(f"child {key[:4]}.. of {ns!r}: bad link, key or namespace")
+                    stack.append(child)
+                if node is root:
+                    continue
+                if not node.pages or len(node.key) != len(node.pages) * ps:
+                    problems.append(f"node of {len(node.pages)} pages has {len(node.key)} tokens")
+                for p in node.pages:
+                    seen += 1
+                    if self._node_of.get(p) is not node:
+                        problems.append(f"page {p} is not mapped to its node")
+                    if num_pages is not None and not 0 <= p < num_pages:
+                        problems.append(f"page {p} is outside the pool")
+        if seen != len(self._node_of):
+            problems.append(f"{seen} pages in nodes, {len(self._node_of)} mapped")
+        if problems:
+            raise CacheIntegrityError("radix tree: " + "; ".join(problems[:8]))
 
     def iter_runs(self, namespace: str = "") -> Iterator[tuple[tuple[int, ...], list[PageId]]]:
         """``(tokens, pages)`` of every root-to-node path in ``namespace`` (O(tree); tests)."""

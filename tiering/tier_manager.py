@@ -7,12 +7,16 @@
   where that key lives.
 * **Write path.** ``write_through``: pages go to L2 (and on to L3) as soon as
   they are cached in L1; ``write_through_selective``: only from their second
-  hit; ``write_back``: when L1 evicts them (L2 -> L3 when L2 evicts). Copies run
-  on the worker thread, with L1 pages pinned meanwhile, so no step waits.
+  hit; ``write_back``: when L1 evicts them (L2 -> L3 when L2 evicts). The
+  write-through copies run on the worker thread, with L1 pages pinned meanwhile,
+  so no step waits; a write-back copy runs inline on the engine thread
+  (``before_reuse``, called by the cache manager just before L1 reuses the
+  pages), since the page is about to be overwritten.
 * **Read path.** Before admission, ``prepare`` finds the run of pages that
   follows the L1 hit in L2 and, where the cost model says loading beats
   recomputing, starts an L3 -> L2 prefetch; ``load`` then copies the run from L2
-  into fresh L1 pages and inserts it into the radix tree. ``best_effort`` holds
+  into fresh L1 pages, which the cache manager inserts into the radix tree (the
+  tier manager never writes the tree; it only reads ``is_cached``). ``best_effort`` holds
   the request while the prefetch runs, but never longer than recomputing the
   fetched pages would take (so a read is used, not wasted, on an idle server);
   ``wait_complete`` holds it until the prefetch ends, ``timeout`` at most
@@ -30,6 +34,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .allocator import PageId
+from .errors import CacheArgumentError
 from .events import KVEventLog
 from .host_pool import HostPool
 from .kv_pool import KVPool
@@ -56,7 +61,8 @@ class TierPolicy:
 
 @dataclass(frozen=True)
 class LoadResult:
-    pages: list[PageId]        # new L1 pages (refcount 1, cached in the radix tree)
+    pages: list[PageId]        # new L1 pages (refcount 1; the caller inserts them in the tree)
+    keys: list[bytes]          # their content keys, in order
     from_l2: int               # pages that were already in L2
     from_l3: int               # pages that came up from L3 for this request
 
@@ -70,7 +76,7 @@ class TierManager:
                  host: HostPool | None, storage=None, policy: TierPolicy = TierPolicy(), *,
                  secret: KVSecret | None = None, clock: Callable[[], float] = time.monotonic):
         if policy.write_policy not in WRITE_POLICIES or policy.prefetch_policy not in PREFETCH_POLICIES:
-            raise ValueError(f"bad tier policy {policy}")
+            raise CacheArgumentError(f"bad tier policy {policy}")
         self.pool, self.cache, self.host, self.storage = pool, cache, host, storage
         self.policy = policy
         self.secret = secret if secret is not None else KVSecret.generate()
@@ -92,7 +98,6 @@ class TierManager:
         self.events = KVEventLog()
         self.worker = TierWorker(pool.pages, host, storage, self.header, self.events,
                                  layout=pool.layout, secret=self.secret)
-        pool.add_reuse_hook(self._on_reuse, first=True)
         if host is not None:
             host.on_evict = self._on_l2_evict
 
@@ -153,8 +158,11 @@ class TierManager:
         self._inflight_keys.update(k for _, k in pairs)
         self.worker.submit("backup", self._job_ids, pairs)
 
-    def _on_reuse(self, pages: list[PageId]) -> None:
-        """L1 is about to hand these pages out again: write back what the policy keeps."""
+    def before_reuse(self, pages: list[PageId]) -> None:
+        """``pages`` left the L1 tree and L1 is about to hand (some of) them out again:
+        forget their L1 keys, and under ``write_back`` copy them to L2 first, inline
+        (their bytes are intact until the new owner writes). Called by the cache
+        manager, the pool's one reuse hook."""
         for page in pages:
             key = self._l1_key.pop(page, None)
             if key is not None:
@@ -261,41 +269,46 @@ class TierManager:
         self.counters["prefetch_skipped_slow"] += 1
         return False
 
-    def load(self, request_id: str, namespace: str, tokens, l1_pages: list[PageId],
-             limit: int, max_new: int) -> LoadResult:
-        """Copy the L2-resident run after ``l1_pages`` into new L1 pages (at most ``max_new``).
+    def load(self, request_id: str, namespace: str, tokens, first: int, limit: int,
+             max_new: int, allocate: Callable[[int], list[PageId]]) -> LoadResult:
+        """Copy the L2-resident run after the ``first`` pages matched in L1 into new L1 pages
+        (at most ``max_new``), taken with ``allocate(n)`` (refcount 1, for the caller).
 
-        The new pages hold refcount 1 for the caller and are inserted into the radix tree.
+        The caller inserts them into the radix tree, then calls ``on_loaded``.
         """
         pf = self._prefetch.pop(request_id, None)
-        first = len(l1_pages)
         if self.host is None or first >= limit or max_new <= 0:
-            return LoadResult([], 0, 0)
+            return LoadResult([], [], 0, 0)
         keys = self.keys(namespace, tokens, limit)[first:]
         keys = keys[:min(self._l2_run(keys), max_new, self.pool.allocator.num_free)]
         if not keys:
-            return LoadResult([], 0, 0)
+            return LoadResult([], [], 0, 0)
         t0 = time.perf_counter()
         self.host.pin(keys)
         try:
-            pages = self.pool.allocate(len(keys))
+            pages = allocate(len(keys))
             for page, key in zip(pages, keys):
                 self.pool.pages[page].copy_(self.host.data[self.host.slot(key)])
         finally:
             self.host.unpin(keys)
-        ps = self.page_size
-        self.cache.insert(tokens[:(first + len(pages)) * ps], list(l1_pages) + pages, namespace)
-        for page, key in zip(pages, keys):
-            if self.cache.is_cached(page):
-                self._l1_key[page] = key
-        self.events.emit("stored", "l1", keys)
         from_l3 = len(pf.loaded.intersection(keys)) if pf is not None else 0
         self.counters["l2_hit_pages"] += len(pages) - from_l3
         self.counters["l3_hit_pages"] += from_l3
         self.counters["l2_to_l1_pages"] += len(pages)
         self.counters["load_seconds"] += time.perf_counter() - t0
         self.counters["loads"] += 1
-        return LoadResult(pages, len(pages) - from_l3, from_l3)
+        return LoadResult(pages, keys, len(pages) - from_l3, from_l3)
+
+    def on_loaded(self, pages: list[PageId], keys: list[bytes]) -> None:
+        """Loaded ``pages`` (with their ``keys``) were offered to the radix tree."""
+        for page, key in zip(pages, keys):
+            if self.cache.is_cached(page):
+                self._l1_key[page] = key
+        self.events.emit("stored", "l1", keys)
+
+    def pinned_pages(self) -> list[PageId]:
+        """L1 pages the in-flight backups hold a reference on (one entry per reference)."""
+        return [p for pages, _ in self._inflight.values() for p in pages]
 
     def discard(self, pages: list[PageId]) -> None:
         """Forget the L1 pages the radix tree just dropped as suspect (a step failed on them),

@@ -31,6 +31,7 @@ from ..config import DisaggConfig, NibbleConfig
 from ..credentials import load_kv_secret
 from ..engine.async_engine import AsyncEngine
 from ..engine.builder import build_parts
+from ..engine.kv_connector import KVConnector
 from ..engine.types import GenerateRequest, RequestOutput
 from ..errors import ConfigError
 from .transfer_state import TransferError
@@ -113,14 +114,17 @@ class EngineWorker:
         logging.basicConfig(level=cfg.server.log_level.upper())
         self.cfg, self.role, self.worker_id = cfg, role, worker_id
         self.transfer_key = worker_transfer_key(cfg)
-        self.engine = AsyncEngine(build_parts(cfg), cfg)
-        self.pool = self.engine.core.pool
+        parts = build_parts(cfg)
+        self.connector = KVConnector()            # reservations, leases, held pages
+        parts.core.attach_connector(self.connector)
+        self.connector.on_release = self._revoke
+        self.engine = AsyncEngine(parts, cfg)
+        self.pool = parts.core.pool
         self.transport = create_transport(cfg.disagg.kv_transport, **transport_options(
             cfg.disagg, self.transfer_key))
         self.transport.attach(self.pool.pages)
         self.incarnation = os.urandom(8).hex()    # changes when Ray restarts the actor
         self._tickets: dict[str, str] = {}        # request id -> open transfer ticket id
-        self.engine.core.handoff.on_release = self._revoke
         log.info("%s worker %s ready (%s transport)", role, worker_id, cfg.disagg.kv_transport)
 
     # ---- identity and state ----
@@ -142,8 +146,7 @@ class EngineWorker:
         s = self.engine.stats()
         s["free_pages"] = self.pool.allocator.num_free
         s["total_pages"] = self.pool.num_pages
-        s["reservations"] = len(self.engine.core.handoff.reservations)
-        s["held"] = len(self.engine.core.held)
+        s.update(self.connector.stats())
         s["incarnation"] = self.incarnation
         s["pid"] = os.getpid()             # for operators (and the soak bench's worker kill)
         s["transfers_received"] = len(self.transport.received())   # drained each poll
@@ -158,8 +161,8 @@ class EngineWorker:
 
     async def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
-        await self.engine.call(self.engine.core.handoff.cancel, request_id)
-        await self.engine.call(self.engine.core.release_held, request_id)
+        await self.engine.call(self.connector.cancel, request_id)
+        await self.engine.call(self.connector.release_held, request_id)
 
     async def abort_all(self) -> int:
         return self.engine.abort_all()
@@ -167,7 +170,7 @@ class EngineWorker:
     # ---- decode role ----
     async def reserve(self, req: GenerateRequest, lease_s: float, deadline_s: float) -> dict:
         """Reserve pages for ``req``'s prompt; returns a signed ticket for the prefill worker."""
-        res = await self.engine.call(self.engine.core.handoff.reserve, req, lease_s)
+        res = await self.engine.call(self.connector.reserve, req, lease_s)
         ticket = self.transport.issue_ticket(req.request_id, list(res.new_pages), deadline_s)
         self._tickets[req.request_id] = ticket.ticket_id
         return {"ticket": ticket, "prefix_pages": len(res.prefix_pages),
@@ -180,10 +183,10 @@ class EngineWorker:
             self.transport.revoke(ticket_id)
 
     async def extend_lease(self, request_id: str, lease_s: float) -> bool:
-        return await self.engine.call(self.engine.core.handoff.extend, request_id, lease_s)
+        return await self.engine.call(self.connector.extend, request_id, lease_s)
 
     async def cancel(self, request_id: str) -> bool:
-        return await self.engine.call(self.engine.core.handoff.cancel, request_id)
+        return await self.engine.call(self.connector.cancel, request_id)
 
     async def decode(self, req: GenerateRequest, ticket: TransferTicket, first_token: int,
                      checksum: str, tag: bytes):
@@ -193,8 +196,7 @@ class EngineWorker:
         ``tag`` proves the prefill worker signed ``checksum`` for this ticket, and
         the checksum that the reserved pages hold exactly what it sent.
         """
-        handoff = self.engine.core.handoff
-        if not await self.engine.call(lambda: req.request_id in handoff.reservations):
+        if not await self.engine.call(self.connector.has_reservation, req.request_id):
             # retryable: the orchestrator recomputes instead of failing the request
             raise TransferError(f"{req.request_id}: the reservation expired before install")
         got = await asyncio.to_thread(page_set_checksum, self.pool.pages, list(ticket.dst_pages))
@@ -227,7 +229,10 @@ class EngineWorker:
         if first is None:
             raise TransferError(f"prefill of {req.request_id} produced no token")
         try:
-            pages, _ = self.engine.core.held[req.request_id]
+            held = await self.engine.call(self.connector.held_pages, req.request_id)
+            if held is None:
+                raise TransferError(f"{req.request_id}: the prefill kept no pages")
+            pages, _ = held
             src = pages[prefix_pages:prefix_pages + len(ticket.dst_pages)]
             if len(src) != len(ticket.dst_pages):
                 raise TransferError(f"{req.request_id}: {len(src)} pages for "
@@ -238,7 +243,7 @@ class EngineWorker:
                     "checksum_tag": checksum_tag(self.transfer_key, ticket, checksum),
                     "nbytes": len(src) * self.pool.layout.page_nbytes, "pages": len(src)}
         finally:
-            await self.engine.call(self.engine.core.release_held, req.request_id)
+            await self.engine.call(self.connector.release_held, req.request_id)
 
     async def _send(self, peer_endpoint: bytes, ticket: TransferTicket, src: list[int],
                     checksum: str) -> None:

@@ -124,11 +124,11 @@ class AsyncEngine:
 
     def kv_events(self, since: int = 0, limit: int = 1000) -> dict:
         """KV events after ``since`` (see ``nibble.tiering.events``)."""
-        tiers = self.core.tiers
-        if tiers is None:
+        event_log = self.core.kv.events
+        if event_log is None:
             return {"events": [], "last_seq": 0, "lost": False}
-        events, lost = tiers.events.since(since, limit)
-        return {"events": [e.__dict__ for e in events], "last_seq": tiers.events.last_seq,
+        events, lost = event_log.since(since, limit)
+        return {"events": [e.__dict__ for e in events], "last_seq": event_log.last_seq,
                 "lost": lost}
 
     def is_healthy(self) -> bool:
@@ -181,7 +181,7 @@ class AsyncEngine:
         elif kind == "install":
             req, first = payload
             try:
-                self._deliver(self.core.handoff.install(req, first))
+                self._deliver(self.core.add_prefilled(req, first))
             except NibbleError as e:
                 self._deliver(RequestOutput(req.request_id, [], "", True, FinishReason.ABORT,
                                             self._zero_usage(req), error=str(e)))
@@ -204,13 +204,15 @@ class AsyncEngine:
         return Usage(len(req.prompt_token_ids), 0, 0)
 
     def _drain(self, block: bool) -> None:
+        """Handle the inbox: everything queued, or (``block``: the engine is idle) the first
+        item within 0.5 s, so the idle engine's background poll runs between items."""
         try:
             kind, payload = self._inbox.get(timeout=0.5 if block else None) if block \
                 else self._inbox.get_nowait()
         except queue.Empty:
             return
         self._handle(kind, payload)
-        while True:
+        while not block:
             try:
                 kind, payload = self._inbox.get_nowait()
             except queue.Empty:
@@ -220,7 +222,6 @@ class AsyncEngine:
     def _loop(self) -> None:
         while not self._stopping.is_set() and self._dead is None:
             self._drain(block=not self.core.has_unfinished())
-            self.core.handoff.expire()
             if not self.core.has_unfinished():
                 self.core.poll_background()
                 continue
@@ -239,8 +240,7 @@ class AsyncEngine:
             self._refuse_next()
         for out in self.core.fail_all("server shutting down"):
             self._deliver(out)
-        if self.core.tiers is not None:
-            self.core.tiers.close()
+        self.core.kv.close()
 
     def _die(self, exc: BaseException) -> None:
         """A device fault: fail every request and stop serving (engine thread)."""

@@ -2,7 +2,9 @@
 
 This is the interface prefill and decode workers reuse: ``add_request``,
 ``step() -> list[RequestOutput]``, ``abort``. It is single-threaded; the async
-wrapper runs it on its own thread.
+wrapper runs it on its own thread. A step is schedule -> run -> process
+outputs; the KV cache is reached only through the ``KVCacheManager`` (``kv``),
+and disaggregated serving attaches a ``KVConnector`` (none when colocated).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import time
 from dataclasses import dataclass
 
 from nibble.tiering import KVPool
+from nibble.tiering.kv_cache_manager import KVCacheManager
 from nibble.tiering.radix_cache import RadixCache
 from nibble.tiering.tier_manager import TierManager
 
@@ -20,7 +23,7 @@ from ..errors import (ContextLengthExceededError, DeviceFaultError, InvalidReque
                       RequestFaultError)
 from .detokenizer import IncrementalDetokenizer
 from .faults import StepIsolator, describe, is_device_fault
-from .handoff import Handoff
+from .kv_connector import KVConnector
 from .model_runner import ModelRunner
 from .scheduler import Scheduler
 from .sequence import Sequence
@@ -39,6 +42,14 @@ class _Stream:
 
     detok: IncrementalDetokenizer
     stop: StopStringMatcher
+
+    def push(self, token: int) -> tuple[str, bool]:
+        """Text of one more token, and whether a stop string ended the stream there."""
+        return self.stop.feed(self.detok.push([token]))
+
+    def flush(self) -> str:
+        """The text still held back (an incomplete character or a possible stop string)."""
+        return self.stop.feed(self.detok.flush())[0] + self.stop.flush()
 
 
 class EngineCore:
@@ -59,17 +70,18 @@ class EngineCore:
                  context_length: int, cache: RadixCache | None = None,
                  tiers: TierManager | None = None, max_fault_streak: int = MAX_FAULT_STREAK):
         self.runner = runner
-        self.pool = pool
-        self.cache = cache
-        self.tiers = tiers
+        self.kv = KVCacheManager(pool, cache, tiers)
+        # The parts themselves, for the runner's owner, benchmarks and tests; the scheduler
+        # and the connector see only ``kv``.
+        self.pool, self.cache, self.tiers = pool, cache, tiers
         self.tokenizer = tokenizer
-        self.scheduler = Scheduler(sched_cfg, pool, cache, tiers)
+        self.scheduler = Scheduler(sched_cfg, self.kv)
+        self.connector: KVConnector | None = None
+        self.debug_checks = sched_cfg.debug_checks
         self.context_length = context_length
         self.eos = frozenset(tokenizer.eos_token_ids)
         self._seqs: dict[str, Sequence] = {}
         self._streams: dict[str, _Stream] = {}
-        self.held: dict[str, tuple[list, int]] = {}   # prefill side: rid -> (pages, tokens)
-        self.handoff = Handoff(self)
         self.isolator = StepIsolator(runner, pool.layout.page_size)
         self.max_fault_streak = max_fault_streak
         self.fault_streak = 0          # requests failed since a step last ran a request cleanly
@@ -105,28 +117,41 @@ class EngineCore:
         self.validate(req)
         self.register(req)
 
-    def register(self, req: GenerateRequest) -> None:
-        """Create the request's sequence and text state and queue it."""
+    def register(self, req: GenerateRequest, queue: bool = True) -> Sequence:
+        """Create the request's sequence and text state, and queue it (``queue``)."""
         seq = Sequence(req, list(req.prompt_token_ids), len(req.prompt_token_ids))
         self._seqs[req.request_id] = seq
         self._streams[req.request_id] = _Stream(
             IncrementalDetokenizer(self.tokenizer, list(req.prompt_token_ids)),
             StopStringMatcher(tuple(req.sampling.stop)))
-        self.scheduler.add(seq)
+        if queue:
+            self.scheduler.add(seq)
+        return seq
+
+    def attach_connector(self, connector: KVConnector) -> None:
+        """Serve disaggregated: ``connector`` keeps reservations and held pages."""
+        self.connector = self.scheduler.connector = connector
+        connector.bind(self.scheduler, self.validate)
+
+    def add_prefilled(self, req: GenerateRequest, first_token: int) -> RequestOutput:
+        """Run ``req`` from its first sampled token on the pages a prefill worker wrote into
+        the connector's reservation. InvalidRequestError when there is none (expired)."""
+        if req.request_id in self._seqs:
+            raise InvalidRequestError(f"duplicate request id {req.request_id}")
+        seq = self.register(req, queue=False)
+        try:
+            self.scheduler.start_prefilled(seq)
+        except InvalidRequestError:
+            self._seqs.pop(req.request_id, None)
+            self._streams.pop(req.request_id, None)
+            raise
+        return self._on_token(seq, first_token)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
     def num_running(self) -> int:
         return len(self.scheduler.running)
-
-    def release_held(self, request_id: str) -> bool:
-        """Drop the pages a finished ``hold_pages`` request kept (they stay cached)."""
-        pages, _ = self.held.pop(request_id, (None, 0))
-        if pages is None:
-            return False
-        self.pool.free(list(reversed(pages)))
-        return True
 
     def flush_cache(self) -> bool:
         """Clear the prefix cache; False (nothing changed) while requests run or wait."""
@@ -137,12 +162,12 @@ class EngineCore:
 
     def stats(self) -> dict:
         """Gauges for /metrics and /get_server_info."""
-        sch, alloc, lay = self.scheduler, self.pool.allocator, self.pool.layout
+        sch, kv, lay = self.scheduler, self.kv, self.pool.layout
         return {
             "num_running": len(sch.running),
             "num_queued": len(sch.waiting),
-            "token_usage": alloc.num_used / alloc.num_pages,
-            "max_total_tokens": alloc.num_pages * lay.page_size,
+            "token_usage": (kv.num_pages - kv.num_free) / kv.num_pages,
+            "max_total_tokens": kv.num_pages * lay.page_size,
             "kv_bytes_per_token": lay.bytes_per_token,
             "kv_cache_dtype": lay.kv_format,
             "cache_hit_rate": sch.cached_tokens_admitted / max(1, sch.prompt_tokens_admitted),
@@ -150,7 +175,7 @@ class EngineCore:
             "num_request_faults": self.num_request_faults,
             "num_fault_recomputes": self.num_fault_recomputes,
             "prompt_tokens_computed": self.num_prompt_tokens_computed,
-            "num_cached_pages": self.cache.num_cached_pages if self.cache is not None else 0,
+            "num_cached_pages": kv.num_cached_pages,
             "tiers": self.tiers.stats() if self.tiers is not None else None,
         }
 
@@ -179,34 +204,34 @@ class EngineCore:
         return out
 
     def _finish(self, seq: Sequence, text: str, cache: bool = True) -> RequestOutput:
-        if seq.request.hold_pages and seq.finish_reason is not FinishReason.ABORT:
-            # Prefill worker: keep the pages (cached and referenced) until they are sent.
-            self.scheduler.cache_computed(seq)
-            self.held[seq.request_id] = (list(seq.pages), seq.num_computed)
-            seq.pages = []
-        self.scheduler.remove(seq, cache)
+        self.scheduler.remove(seq, cache)      # a connector may keep a hold_pages request's pages
         self.runner.release(seq.request_id)
         self._seqs.pop(seq.request_id, None)
         self._streams.pop(seq.request_id, None)
         return RequestOutput(seq.request_id, [], text, True, seq.finish_reason, seq.usage())
 
     def poll_background(self) -> None:
-        """Apply finished tier work (backups release the L1 pages they held). ``step`` does
-        this itself; an idle engine calls it so those pages come back without a next step."""
-        if self.tiers is not None:
-            self.tiers.poll()
+        """An idle engine's turn: apply finished tier work (backups give back the L1 pages
+        they pinned) and expired leases, which ``schedule`` does each step, so they come
+        back without a next step; in debug mode (``--debug-checks``) check the cache."""
+        self.kv.poll()
+        if self.connector is not None:
+            self.connector.expire()
+        if self.debug_checks and not self.scheduler.has_work():
+            self.kv.check_integrity()
 
     def step(self) -> list[RequestOutput]:
         """Run one batch; return an update for every request that produced a token."""
-        self.poll_background()
         batch = self.scheduler.schedule()
-        if not batch.seqs:
-            if self.scheduler.waiting:
-                time.sleep(0.001)      # only prefetching requests wait; let the worker run
-            return []
         sampled, failed = self._execute(batch)
+        return self._process(batch, sampled, failed)
+
+    def _process(self, batch, sampled: dict[str, int], failed: dict[str, str]
+                 ) -> list[RequestOutput]:
+        """Advance every sequence that ran cleanly, emit its token; handle the failed ones.
+        A failed entry's state is left exactly as scheduled."""
         outputs = []
-        for entry in batch.seqs:       # a failed entry's state is left exactly as scheduled
+        for entry in batch.seqs:
             seq = self._seqs[entry.request_id]
             if entry.request_id in failed:
                 continue
@@ -231,6 +256,8 @@ class EngineCore:
         Raises DeviceFaultError when the device is broken, or when
         ``max_fault_streak`` requests failed in a row with none running cleanly.
         """
+        if not batch.seqs:
+            return {}, {}
         t0 = time.perf_counter()
         try:
             result = self.runner.execute(batch, self.pool.layout.page_size)
@@ -242,9 +269,8 @@ class EngineCore:
             iso = self.isolator.isolate(batch.seqs, exc)
             self._count_faults(iso.failed, iso.any_ok)
             return iso.sampled, iso.failed
-        if self.tiers is not None:
-            prefill = sum(len(e.token_ids) for e in batch.seqs if len(e.token_ids) > 1)
-            self.tiers.observe_prefill(prefill, time.perf_counter() - t0)
+        prefill = sum(len(e.token_ids) for e in batch.seqs if len(e.token_ids) > 1)
+        self.kv.observe_prefill(prefill, time.perf_counter() - t0)
         self._count_faults(result.failed, len(result.failed) < len(batch.seqs))
         return result.sampled, result.failed
 
@@ -290,9 +316,7 @@ class EngineCore:
         sp = seq.request.sampling
         stream = self._streams[seq.request_id]
         is_stop_token = (token in self.eos and not sp.ignore_eos) or token in sp.stop_token_ids
-        text, stopped = "", False
-        if not is_stop_token:
-            text, stopped = stream.stop.feed(stream.detok.push([token]))
+        text, stopped = stream.push(token) if not is_stop_token else ("", False)
         if is_stop_token or stopped:
             seq.finish_reason = FinishReason.STOP
         elif seq.num_output >= sp.max_tokens or len(seq.token_ids) >= self.context_length:
@@ -300,7 +324,7 @@ class EngineCore:
         if seq.finish_reason is None:
             return RequestOutput(seq.request_id, [token], text, False, None, seq.usage())
         if not stopped:
-            text += stream.stop.feed(stream.detok.flush())[0] + stream.stop.flush()
+            text += stream.flush()
         out = self._finish(seq, text)
         out.new_token_ids = [token]
         return out

@@ -11,6 +11,12 @@ the rest is computed (extend path). If a running sequence still cannot grow,
 the newest unscheduled sequence is preempted: its computed pages go into the
 prefix cache, its references are dropped, and it is recomputed (mostly from
 that cache) later. Nothing is dropped.
+
+Pages come only from the ``KVCacheManager`` (``kv``): ``match`` -> ``ready``
+(a tier prefetch may hold the request) -> ``admit`` (lock, load from L2,
+room check, first chunk's pages) -> ``grow`` each step -> ``commit`` /
+``release``. A disaggregated worker's ``KVConnector`` adds hooks
+(``matched_tokens``, ``on_allocated``, ``on_finished``).
 """
 
 from __future__ import annotations
@@ -19,16 +25,16 @@ import logging
 from collections import deque
 from typing import Callable
 
-from nibble.tiering import KVPool, PageId
-from nibble.tiering.radix_cache import RadixCache
-from nibble.tiering.tier_manager import TierManager
+from nibble.tiering.kv_cache_manager import KVCacheManager, PageId
 
 from ..config import SchedulerConfig
+from ..errors import InvalidRequestError
 from .sequence import Sequence, SeqStatus
 from .types import ScheduledBatch, ScheduledSeq
 
 log = logging.getLogger(__name__)
 LPM_MAX_QUEUE = 128   # beyond this, lpm's per-step matching costs more than it saves
+IDLE_WAIT_S = 0.001   # an empty step with requests queued: only prefetches hold them
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -36,13 +42,15 @@ def _ceil_div(a: int, b: int) -> int:
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, pool: KVPool, cache: RadixCache | None = None,
-                 tiers: TierManager | None = None):
+    """``kv``: the KV cache manager (the only cache interface the scheduler uses);
+    ``connector``: the disaggregation connector (``kv_connector.KVConnector``), or
+    None for colocated serving."""
+
+    def __init__(self, cfg: SchedulerConfig, kv: KVCacheManager, connector=None):
         self.cfg = cfg
-        self.pool = pool
-        self.cache = cache
-        self.tiers = tiers
-        self.page_size = pool.layout.page_size
+        self.kv = kv
+        self.connector = connector
+        self.page_size = kv.page_size
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0                      # totals, for metrics and tests
@@ -60,43 +68,37 @@ class Scheduler:
     # ---- pages ----
     def _grow(self, seq: Sequence, num_tokens: int) -> bool:
         """Give ``seq`` pages for ``num_tokens`` more tokens; False if the pool is short."""
-        need = _ceil_div(seq.num_computed + num_tokens, self.page_size) - len(seq.pages)
-        if need <= 0:
-            return True
-        if need > self.pool.allocator.num_free:
-            return False
-        seq.pages.extend(self.pool.allocate(need))
-        return True
+        return self.kv.grow(seq.handle, seq.num_computed + num_tokens)
 
     def cache_computed(self, seq: Sequence) -> None:
         """Offer the sequence's fully computed pages to the prefix cache."""
-        if self.cache is None:
-            return
-        full = min(seq.num_computed // self.page_size, len(seq.pages))
-        if full:
-            tokens = seq.token_ids[:full * self.page_size]
-            self.cache.insert(tokens, seq.pages[:full], seq.namespace)
-            if self.tiers is not None:
-                self.tiers.on_cached(seq.namespace, tokens, seq.pages[:full])
+        if seq.handle is not None:
+            self.kv.commit(seq.handle, seq.token_ids[:seq.num_computed])
 
     def release(self, seq: Sequence, cache: bool = True) -> None:
         """Cache what is reusable (unless ``cache`` is False), then drop the sequence's page
         references, tail first."""
+        if seq.handle is None:
+            return
         if cache:
             self.cache_computed(seq)
-        if seq.pages:
-            self.pool.free(list(reversed(seq.pages)))
-            seq.pages = []
+        self.kv.release(seq.handle)
+        seq.handle = None
 
     def _future_pages(self, seq: Sequence) -> float:
         """Pages ``seq`` still needs: all for its current tokens, plus the decode part scaled by
         ``schedule_conservativeness`` (1 = hold back every future token: no preemption;
         0 = count none: admit eagerly and preempt when pages run out)."""
         now = _ceil_div(len(seq.token_ids), self.page_size)
-        later = seq.pages_needed_total(self.page_size) - now
-        return max(0, now - len(seq.pages)) + self.cfg.schedule_conservativeness * max(0, later)
+        return max(0, now - seq.num_pages) + self.future_decode_pages(seq)
 
-    def _reserve(self) -> float:
+    def future_decode_pages(self, seq: Sequence) -> float:
+        """Pages ``seq`` may claim after its current tokens, scaled by the conservativeness."""
+        later = seq.pages_needed_total(self.page_size) - _ceil_div(len(seq.token_ids),
+                                                                   self.page_size)
+        return self.cfg.schedule_conservativeness * max(0, later)
+
+    def reserved_pages(self) -> float:
         """Pages the running sequences may still claim."""
         return sum(self._future_pages(s) for s in self.running)
 
@@ -111,17 +113,10 @@ class Scheduler:
         victim.status = SeqStatus.WAITING
         self.waiting.appendleft(victim)
 
-    def _match(self, seq: Sequence) -> list[PageId]:
-        """Longest cached prefix of ``seq`` (at least one token is left to compute)."""
-        if self.cache is None or seq.no_reuse:
-            return []
-        limit = (len(seq.token_ids) - 1) // self.page_size
-        return self.cache.match(seq.token_ids, seq.namespace, max_pages=limit).pages
-
     def _order_waiting(self) -> None:
-        if self.cfg.schedule_policy == "lpm" and self.cache is not None and \
+        if self.cfg.schedule_policy == "lpm" and self.kv.cache is not None and \
                 1 < len(self.waiting) <= LPM_MAX_QUEUE:
-            ranked = sorted(self.waiting, key=lambda s: -len(self._match(s)))
+            ranked = sorted(self.waiting, key=lambda s: -self.kv.match(s).num_pages)
             self.waiting = deque(ranked)
 
     def _try_admit(self, seq: Sequence, budget: int) -> int | None:
@@ -129,46 +124,46 @@ class Scheduler:
 
         0: not enough room (stop admitting); None: its prefetch is still running.
         """
-        hit = self._match(seq)
-        limit = (len(seq.token_ids) - 1) // self.page_size
-        tiers = self.tiers if self.cache is not None and not seq.no_reuse else None
-        if tiers is not None and not tiers.prepare(seq.request_id, seq.namespace, seq.token_ids,
-                                                   len(hit), limit):
+        hit = self.kv.match(seq)
+        if not self.kv.ready(seq, hit):
             return None
-        if hit:
-            self.cache.lock(hit)
-            if tiers is not None:
-                tiers.note_hits(hit)
-        seq.pages = list(hit)
-        lower = None
-        if tiers is not None:
-            room = int(self.pool.allocator.num_free - self._reserve())
-            lower = tiers.load(seq.request_id, seq.namespace, seq.token_ids, hit, limit, room)
-            seq.pages += lower.pages
-        seq.num_computed = seq.reused_tokens = len(seq.pages) * self.page_size
-        n = min(seq.remaining, self.cfg.chunked_prefill_size, budget)
-        if self._future_pages(seq) > self.pool.allocator.num_free - self._reserve() or \
-                not self._grow(seq, n):
-            self.release_hit(seq)
+        handle = self.kv.admit(seq, hit, min(self.cfg.chunked_prefill_size, budget),
+                               headroom=self.reserved_pages(),
+                               future=self.future_decode_pages(seq))
+        if handle is None:
             return 0
+        seq.handle = handle
+        seq.num_computed = seq.reused_tokens = handle.num_reused * self.page_size
         if not seq.admitted:
-            seq.admitted = True
-            seq.cached_tokens = seq.num_computed
-            if lower is not None:
-                ps = self.page_size
-                seq.cached_by_tier = {"l1": len(hit) * ps, "l2": lower.from_l2 * ps,
-                                      "l3": lower.from_l3 * ps}
-            self.prompt_tokens_admitted += seq.num_prompt
-            self.cached_tokens_admitted += seq.cached_tokens
-            if self.on_start is not None:
-                self.on_start(seq.request_id)
-        return n
+            ps = self.page_size
+            tiers = None if self.kv.tiers is None or seq.no_reuse else \
+                {"l1": handle.from_l1 * ps, "l2": handle.from_l2 * ps, "l3": handle.from_l3 * ps}
+            self._started(seq, seq.num_computed, tiers)
+        return min(seq.remaining, self.cfg.chunked_prefill_size, budget)
 
-    def release_hit(self, seq: Sequence) -> None:
-        """Undo a failed admission: unlock the matched pages without caching anything new."""
-        if seq.pages:
-            self.pool.free(list(reversed(seq.pages)))
-        seq.pages, seq.num_computed, seq.reused_tokens = [], 0, 0
+    def _started(self, seq: Sequence, cached: int, by_tier: dict[str, int] | None,
+                 gate: bool = True) -> None:
+        """First admission of ``seq``: its cache accounting is final."""
+        seq.admitted = True
+        seq.cached_tokens, seq.cached_by_tier = cached, by_tier
+        self.prompt_tokens_admitted += seq.num_prompt
+        self.cached_tokens_admitted += cached
+        if gate and self.on_start is not None:
+            self.on_start(seq.request_id)
+
+    def start_prefilled(self, seq: Sequence) -> None:
+        """Run ``seq`` on the pages the connector holds for it (a peer computed its prompt):
+        it joins the running batch at once, past admission. InvalidRequestError when the
+        connector holds nothing for it (the reservation expired)."""
+        tokens = self.connector.matched_tokens(seq) if self.connector is not None else 0
+        if not tokens:
+            raise InvalidRequestError(f"no live reservation for {seq.request_id} (expired?)")
+        seq.handle = self.connector.on_allocated(seq)
+        seq.num_computed = seq.reused_tokens = tokens   # not computed here: a fault recomputes it
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+        self._started(seq, seq.handle.from_l1 * self.page_size, None, gate=False)
+        self.cache_computed(seq)
 
     def _entry(self, seq: Sequence, n: int) -> ScheduledSeq:
         start = seq.num_computed
@@ -177,7 +172,11 @@ class Scheduler:
                             seq.request.sampling)
 
     def schedule(self) -> ScheduledBatch:
-        """Pick this step's work and reserve its pages."""
+        """Pick this step's work and reserve its pages (after applying finished tier work and
+        expired leases)."""
+        self.kv.poll()
+        if self.connector is not None:
+            self.connector.expire()
         budget = self.cfg.max_prefill_tokens
         out: list[ScheduledSeq] = []
         scheduled: set[str] = set()
@@ -211,6 +210,8 @@ class Scheduler:
             out.append(self._entry(seq, n))
             scheduled.add(seq.request_id)
             budget -= n
+        if not out and self.waiting:
+            self.kv.wait(IDLE_WAIT_S)
         return ScheduledBatch(out)
 
     def remove(self, seq: Sequence, cache: bool = True) -> None:
@@ -220,9 +221,10 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        if self.connector is not None and self.connector.on_finished(seq):
+            seq.handle = None              # the connector keeps the pages (hold_pages)
         self.release(seq, cache)
-        if self.tiers is not None:
-            self.tiers.cancel(seq.request_id)
+        self.kv.cancel(seq)
         seq.status = SeqStatus.FINISHED
 
     # ---- faults ----
@@ -234,13 +236,7 @@ class Scheduler:
         them keep them until they finish or fail on their own). Returns the
         pages dropped from the tree.
         """
-        dropped: list[PageId] = []
-        if self.cache is not None:
-            for page in seq.pages:
-                dropped += self.cache.evict_page(page)
-        if self.tiers is not None and dropped:
-            self.tiers.discard(dropped)
-        return dropped
+        return self.kv.drop(seq.handle) if seq.handle is not None else []
 
     def requeue(self, seq: Sequence) -> None:
         """Recompute ``seq`` from its first token without reusing any cached page.
@@ -253,8 +249,7 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.release(seq, cache=False)
-        if self.tiers is not None:
-            self.tiers.cancel(seq.request_id)
+        self.kv.cancel(seq)
         seq.num_computed = seq.reused_tokens = 0
         seq.no_reuse = True
         seq.status = SeqStatus.WAITING
@@ -264,8 +259,5 @@ class Scheduler:
         """Forget the prefix cache; refused (False) while any request is running or queued."""
         if self.has_work():
             return False
-        if self.cache is not None:
-            self.cache.flush()
-        if self.tiers is not None:
-            self.tiers.flush()
+        self.kv.flush()
         return True

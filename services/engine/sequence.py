@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from nibble.tiering import PageId
+from nibble.tiering.kv_cache_manager import Handle
 
 from .types import FinishReason, GenerateRequest, Usage
 
@@ -21,8 +22,8 @@ class Sequence:
     """A request's tokens and where its KV lives.
 
     ``token_ids`` is prompt + generated tokens. The first ``num_computed`` of
-    them have K/V stored in ``pages`` (``pages[i]`` holds tokens
-    ``i*page_size .. (i+1)*page_size-1``).
+    them have K/V stored in the pages of ``handle`` (the KV cache manager's;
+    None while the sequence holds no pages).
     """
 
     request: GenerateRequest
@@ -30,7 +31,7 @@ class Sequence:
     num_prompt: int
     status: SeqStatus = SeqStatus.WAITING
     num_computed: int = 0
-    pages: list[PageId] = field(default_factory=list)
+    handle: Handle | None = None
     cached_tokens: int = 0                 # prompt tokens reused from the prefix cache (first admission)
     admitted: bool = False                 # admitted at least once (cached_tokens is final)
     cached_by_tier: dict[str, int] | None = None  # cached_tokens split l1/l2/l3 (tiers on)
@@ -49,6 +50,15 @@ class Sequence:
     def namespace(self) -> str:
         """Prefix-cache namespace (tenant and cache_salt); requests share KV only within one."""
         return self.request.cache_salt or ""
+
+    @property
+    def pages(self) -> list[PageId]:
+        """The block table (a copy; ``pages[i]`` holds tokens ``i*page_size ..``)."""
+        return list(self.handle.pages) if self.handle is not None else []
+
+    @property
+    def num_pages(self) -> int:
+        return self.handle.num_pages if self.handle is not None else 0
 
     @property
     def num_output(self) -> int:

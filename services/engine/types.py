@@ -2,7 +2,7 @@
 
 ``GenerateRequest`` (from a client) -> ``ScheduledBatch`` (scheduler picks the
 step's work) -> ``WorkerOutput`` (model runner's result) -> ``RequestOutput``
-(the scheduler's update, streamed back to the client).
+(the engine core's update of one request, streamed back to the client).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ class Usage:
 
 @dataclass
 class RequestOutput:
-    """One streamed update for one request (a scheduler update)."""
+    """One streamed update for one request (``EngineCore.step`` makes them)."""
 
     request_id: str
     new_token_ids: list[int]               # tokens produced since the last update
@@ -80,7 +80,7 @@ class ScheduledSeq:
     token_ids: list[int]                   # tokens to run this step (a prefill chunk, or 1 decode token)
     start_pos: int                         # position of token_ids[0] in the sequence
     num_cached: int                        # tokens of this sequence already in KV pages before the step
-    block_table: list[int]                 # page ids covering start_pos + len(token_ids) tokens
+    block_table: list[int]                 # the handle's page ids, covering start_pos + len(token_ids)
     sample: bool                           # True when this step's last token produces a new token
     sampling: SamplingParams               # how to pick that token
 

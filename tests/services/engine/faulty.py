@@ -67,11 +67,13 @@ def run_outputs(engine, reqs, on_step=None):
 
 
 def pages_balance(engine) -> None:
-    """Every page is free again (cached pages are free too: refcount 0) and none is held."""
-    alloc = engine.pool.allocator
-    held = sum(len(p) for p, _ in engine.held.values())
+    """Every page is free again (cached pages are free too: refcount 0), none is held or
+    reserved, and the cache's bookkeeping agrees."""
+    alloc, conn = engine.pool.allocator, engine.connector
+    held = sum(h.num_pages for h, _ in conn.held.values()) if conn is not None else 0
     assert alloc.num_free + held == alloc.num_pages, (alloc.num_free, held, alloc.num_pages)
-    assert not engine.handoff.reservations
+    assert conn is None or not conn.reservations
+    engine.kv.check_integrity()
 
 
 def async_engine(core, **sched) -> AsyncEngine:

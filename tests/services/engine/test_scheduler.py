@@ -6,13 +6,14 @@ from nibble.services.engine.scheduler import Scheduler
 from nibble.services.engine.sequence import Sequence, SeqStatus
 from nibble.services.engine.types import GenerateRequest, SamplingParams
 from nibble.tiering import KVPool
+from nibble.tiering.kv_cache_manager import KVCacheManager
 
 
 def make(num_pages=8, page_size=4, **kw):
     layout = PageLayout("bf16", num_layers=1, num_kv_heads=1, head_dim=16, page_size=page_size)
     cfg = SchedulerConfig(**{"max_running_requests": 4, "chunked_prefill_size": 8,
                              "max_prefill_tokens": 16, **kw})
-    return Scheduler(cfg, KVPool(layout, num_pages))
+    return Scheduler(cfg, KVCacheManager(KVPool(layout, num_pages)))
 
 
 def seq(rid, n, max_tokens=4):
@@ -79,8 +80,8 @@ def test_preemption_frees_newest_and_recomputes():
     assert [e.request_id for e in batch.seqs] == ["a"]
     assert batch.seqs[0].block_table == [0, 1, 3]     # b's pages freed tail-first: 3, 2
     assert b.status is SeqStatus.WAITING and b.num_computed == 0 and b.pages == []
-    assert b.num_preemptions == 1 and sch.pool.allocator.num_free == 1
+    assert b.num_preemptions == 1 and sch.kv.num_free == 1
     sch.remove(a)
-    assert sch.pool.allocator.num_free == 4
+    assert sch.kv.num_free == 4
     batch = sch.schedule()                            # b recomputed: prompt + its sampled token
     assert batch.seqs[0].token_ids == [1, 2, 3, 4, 5, 6, 7, 8]

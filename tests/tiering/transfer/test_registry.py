@@ -23,7 +23,13 @@ def test_nixl_and_grpc_are_registered_by_name():
         create_transport("carrier-pigeon", secret=SECRET)
 
 
-def test_registering_a_transport():
+def test_registering_a_transport(monkeypatch):
+    from nibble.tiering.transfer import base
+
+    # a registry of this test's own: the test transport must not leak into later tests
+    # (the CLI offers every registered transport as a --kv-transport choice)
+    monkeypatch.setattr(base._TRANSPORTS, "_classes", dict(base._TRANSPORTS._classes))
+
     @register_transport("test-null")
     class Null(KVTransport):
         def _attach(self, pool_pages): ...
