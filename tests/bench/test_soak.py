@@ -7,7 +7,8 @@ import random
 import shutil
 
 import pytest
-import redis
+
+redis = pytest.importorskip("redis")
 
 from nibble.bench import soak
 from nibble.bench._faults import PrivateRedis, corrupt_records, process_figures

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import redis as redis_py
 import pytest
+
+redis_py = pytest.importorskip("redis")
 import torch
 
 from nibble.kernels import PageLayout

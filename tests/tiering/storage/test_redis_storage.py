@@ -1,7 +1,8 @@
 """Redis L3: key layout, TTL, prefix isolation, and losing Redis without failing a request."""
 
 import pytest
-import redis
+
+redis = pytest.importorskip("redis")
 
 from nibble.tiering.page_record import PageRecordError
 from nibble.tiering.storage import RedisStorage
