@@ -2,8 +2,9 @@
 
 Two sources:
 - engine state (gauges such as running/queued requests, token usage, cache hit
-  rate), read from ``engine.stats()`` at scrape time by a custom collector, so
-  they are never stale and cost nothing between scrapes;
+  rate): an ``EngineStats`` (services/engine/client.py) that the ``/metrics``
+  route awaits from ``engine.stats()`` at scrape time and hands to ``render``,
+  so they are never stale and cost nothing between scrapes;
 - per-request observations (token counters, TTFT / TPOT / end-to-end latency
   histograms), recorded by the gateway when each request ends, whatever way it
   ends (finished, aborted, failed).
@@ -15,6 +16,7 @@ prometheus_client's global default registry, so tests can build many servers.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -23,6 +25,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
+
+from .engine.client import EngineStats
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +41,7 @@ TPOT_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.
 E2E_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0,
                30.0, 45.0, 60.0, 90.0, 120.0, 180.0, 300.0, 600.0, 1200.0)
 
-# engine.stats() key -> (gauge name, help)
+# EngineStats field -> (gauge name, help)
 ENGINE_GAUGES = {
     "num_running": ("num_running_reqs", "Requests running (prefilling or decoding)."),
     "num_queued": ("num_queue_reqs", "Requests waiting for admission."),
@@ -51,28 +55,23 @@ ENGINE_GAUGES = {
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
+StatsSource = Callable[[], "EngineStats | dict[str, Any]"]
+
+
 class EngineStatsCollector(Collector):
-    """Turns one ``engine.stats()`` call per scrape into gauge (and counter) families.
+    """Turns the scrape's ``EngineStats`` (``snapshot``, set by ``Metrics.render``) into
+    gauge (and counter) families. Fields the engine does not report are left out."""
 
-    Keys the engine does not report are left out; a failing ``stats()`` is logged and
-    the scrape still returns the request metrics.
-    """
-
-    def __init__(self, stats: Callable[[], dict[str, Any]]):
-        self._stats = stats
-        self._failed_before = False
+    def __init__(self) -> None:
+        self.snapshot: EngineStats | None = None
 
     def describe(self) -> list[Metric]:
-        return []       # values only exist at scrape time; registering must not call stats()
+        return []       # values only exist at scrape time
 
     def collect(self) -> Iterator[Metric]:
-        try:
-            s = self._stats()
-        except Exception:
-            if not self._failed_before:
-                log.exception("engine.stats() failed; engine gauges are left out of /metrics")
-            self._failed_before = True
+        if self.snapshot is None:
             return
+        s = self.snapshot.as_dict()
         for key, (name, doc) in ENGINE_GAUGES.items():
             if s.get(key) is not None:
                 yield GaugeMetricFamily(PREFIX + name, doc, value=float(s[key]))
@@ -181,8 +180,14 @@ class RequestTimer:
 class Metrics:
     """All metrics of one server. ``render()`` gives the exposition for a scrape."""
 
-    def __init__(self, stats: Callable[[], dict[str, Any]] | None = None):
+    def __init__(self, stats: StatsSource | None = None):
+        """``stats``: a synchronous source of engine stats for renders given none (tests,
+        benchmarks); the server passes the awaited ``engine.stats()`` to ``render``."""
         self.registry = CollectorRegistry()
+        self._stats = stats
+        self._engine = EngineStatsCollector()
+        self._render_lock = threading.Lock()
+        self._failed_before = False
         reg = self.registry
         self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens processed.",
                                      registry=reg)
@@ -203,8 +208,7 @@ class Metrics:
         self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds",
                              "Time from request arrival to its end.", buckets=E2E_BUCKETS,
                              registry=reg)
-        if stats is not None:
-            reg.register(EngineStatsCollector(stats))
+        reg.register(self._engine)
 
     def start_request(self) -> RequestTimer:
         return RequestTimer(self)
@@ -222,8 +226,32 @@ class Metrics:
             if completion_tokens > 1:
                 self.tpot.observe(max(e2e - ttft, 0.0) / (completion_tokens - 1))
 
-    def render(self, accept: str | None = None) -> tuple[bytes, str]:
+    def stats_failed(self) -> None:
+        """Log (once, with the exception being handled) that engine stats could not be read;
+        the scrape still returns the request metrics."""
+        if not self._failed_before:
+            log.exception("engine.stats() failed; engine gauges are left out of /metrics")
+        self._failed_before = True
+
+    def _snapshot(self) -> EngineStats | None:
+        if self._stats is None:
+            return None
+        try:
+            s = self._stats()
+        except Exception:  # noqa: BLE001 - reported once, the scrape goes on
+            self.stats_failed()
+            return None
+        return s if isinstance(s, EngineStats) else EngineStats.from_dict(s)
+
+    def render(self, accept: str | None = None, stats: EngineStats | None = None
+               ) -> tuple[bytes, str]:
         """(body, content type): Prometheus text format, or OpenMetrics when ``accept``
-        (the scraper's Accept header) asks for it."""
+        (the scraper's Accept header) asks for it. ``stats``: the engine's gauges for this
+        scrape (else read from the source given to the constructor, if any)."""
         encoder, content_type = choose_encoder(accept or "")
-        return encoder(self.registry), content_type
+        with self._render_lock:
+            self._engine.snapshot = stats if stats is not None else self._snapshot()
+            try:
+                return encoder(self.registry), content_type
+            finally:
+                self._engine.snapshot = None

@@ -101,3 +101,33 @@ MANAGER_ONLY = ["services/engine/scheduler.py", "services/engine/kv_connector.py
 def test_the_scheduler_and_disaggregation_see_only_the_cache_manager(path):
     bad = [mod for mod in _our_imports(ROOT / path) if mod in CACHE_PARTS]
     assert not bad, f"{path} imports {bad}; use nibble.tiering.kv_cache_manager"
+
+
+def _resolved_imports(path: pathlib.Path):
+    """Every module ``path`` imports, relative imports resolved to ``nibble.<...>`` names."""
+    package = _package_of(path.parent.relative_to(ROOT)).replace("/", ".").split(".")
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = package[:len(package) - node.level + 1] if node.level else []
+            mod = ".".join([*base, *(node.module.split(".") if node.module else [])])
+            yield mod
+            yield from (f"{mod}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            yield from (a.name for a in node.names)
+
+
+# Frontend layering: the gRPC API and the shared frontend never reach into the HTTP gateway.
+NO_GATEWAY = ("services/grpc_api", "services/frontend")
+
+
+@pytest.mark.parametrize("folder", NO_GATEWAY)
+def test_frontends_do_not_import_the_http_gateway(folder):
+    bad = sorted({f"{p.relative_to(ROOT)} imports {mod}"
+                  for p in (ROOT / folder).rglob("*.py") for mod in _resolved_imports(p)
+                  if mod == "nibble.services.gateway" or mod.startswith("nibble.services.gateway.")})
+    assert not bad, bad
+
+
+def test_the_import_check_sees_relative_imports():
+    mods = set(_resolved_imports(ROOT / "services/gateway/app.py"))
+    assert "nibble.services.frontend.tracking" in mods and "nibble.services.gateway.auth" in mods

@@ -2,7 +2,7 @@
 
 ``DisaggEngine.start(cfg)`` starts (or joins) a Ray cluster, creates named
 actors ``nibble-prefill-<i>``, ``nibble-decode-<i>`` and ``nibble-router``,
-and then serves the same methods the gateway calls on a colocated engine.
+and then serves the ``EngineClient`` interface, as the colocated engine does.
 The actors load the KV secret from a file (``secret_handoff``), never from
 Ray's runtime environment.
 """
@@ -17,6 +17,7 @@ from typing import AsyncIterator
 
 from ..config import NibbleConfig
 from ..engine.async_engine import redacted_config
+from ..engine.client import EngineStats
 from ..engine.types import GenerateRequest, RequestOutput
 from ..errors import EngineDeadError, InvalidRequestError
 from .secret_handoff import SecretDir, prepare_kv_secret
@@ -54,7 +55,14 @@ def actor_config(cfg: NibbleConfig) -> NibbleConfig:
     return dataclasses.replace(cfg, server=server)
 
 
+async def _within(aw, timeout: float):
+    """Await a Ray reference (or several, gathered) for at most ``timeout`` seconds."""
+    return await asyncio.wait_for(aw, timeout)
+
+
 class DisaggEngine:
+    """An ``EngineClient`` (services/engine/client.py) over the router and worker actors."""
+
     def __init__(self, cfg: NibbleConfig, router, workers: dict[str, object], meta: dict,
                  tokenizer, started_ray: bool, secret_dir: SecretDir | None = None):
         self.cfg, self.router, self.workers = cfg, router, workers
@@ -118,44 +126,46 @@ class DisaggEngine:
                 yield out
         finally:
             if not finished:
-                self.abort(req.request_id)
+                self._post_abort(req.request_id)
 
-    def abort(self, request_id: str) -> None:
-        self.router.abort.remote(request_id)
+    async def abort(self, request_id: str) -> None:
+        self._post_abort(request_id)
 
-    def abort_all(self) -> int:
-        import ray
-        return int(ray.get(self.router.abort_all.remote(), timeout=STATS_TIMEOUT_S))
+    def _post_abort(self, request_id: str) -> None:
+        self.router.abort.remote(request_id)      # fire and forget: the router answers nothing
 
-    def flush_cache(self) -> bool:
-        import ray
-        return bool(ray.get(self.router.flush_cache.remote(), timeout=30))
+    async def abort_all(self) -> int:
+        return int(await _within(self.router.abort_all.remote(), STATS_TIMEOUT_S))
 
-    def stats(self) -> dict:
-        import ray
+    async def flush_cache(self) -> bool:
+        return bool(await _within(self.router.flush_cache.remote(), 30))
+
+    async def stats(self) -> EngineStats:
         try:
-            s = ray.get(self.router.stats.remote(), timeout=STATS_TIMEOUT_S)
+            s = await _within(self.router.stats.remote(), STATS_TIMEOUT_S)
         except Exception as e:  # noqa: BLE001 - reported as unhealthy, never raised to a scrape
             self._healthy = False
             raise EngineDeadError(f"router unreachable: {e}") from e
         self._healthy = True
-        return s
+        return EngineStats.from_dict(s)
 
-    def server_info(self) -> dict:
-        import ray
-        info = ray.get(self.router.info.remote(), timeout=STATS_TIMEOUT_S)
+    async def server_info(self) -> dict:
+        info = await _within(self.router.info.remote(), STATS_TIMEOUT_S)
         return {"model": self.model_name, "context_length": self.context_length,
                 "config": redacted_config(self.cfg), "disaggregated": True, **info}
 
-    def kv_events(self, since: int = 0, limit: int = 1000) -> dict:
-        import ray
+    async def kv_events(self, since: int = 0, limit: int = 1000) -> dict:
         names = list(self.workers)
-        got = ray.get([self.workers[n].kv_events.remote(since) for n in names],
-                      timeout=STATS_TIMEOUT_S)
+        got = await _within(asyncio.gather(*(self.workers[n].kv_events.remote(since)
+                                             for n in names)), STATS_TIMEOUT_S)
         return {"workers": dict(zip(names, got))}
 
     def is_healthy(self) -> bool:
         return self._healthy
+
+    @property
+    def dead_reason(self) -> str | None:
+        return None if self._healthy else "the router did not answer"
 
     async def shutdown(self) -> None:
         import ray

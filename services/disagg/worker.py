@@ -143,7 +143,7 @@ class EngineWorker:
             log.critical("worker %s: %s; exiting so Ray restarts it", self.worker_id,
                          self.engine.dead_reason or "engine thread gone")
             os._exit(DEVICE_FAULT_EXIT_CODE)
-        s = self.engine.stats()
+        s = self.engine.core.stats()
         s["free_pages"] = self.pool.allocator.num_free
         s["total_pages"] = self.pool.num_pages
         s.update(self.connector.stats())
@@ -154,18 +154,18 @@ class EngineWorker:
         return s
 
     async def kv_events(self, since: int) -> dict:
-        return self.engine.kv_events(since)
+        return await self.engine.kv_events(since)
 
     async def flush_cache(self) -> bool:
-        return await asyncio.to_thread(self.engine.flush_cache)
+        return await self.engine.flush_cache()
 
     async def abort(self, request_id: str) -> None:
-        self.engine.abort(request_id)
+        await self.engine.abort(request_id)
         await self.engine.call(self.connector.cancel, request_id)
         await self.engine.call(self.connector.release_held, request_id)
 
     async def abort_all(self) -> int:
-        return self.engine.abort_all()
+        return await self.engine.abort_all()
 
     # ---- decode role ----
     async def reserve(self, req: GenerateRequest, lease_s: float, deadline_s: float) -> dict:

@@ -24,6 +24,7 @@ from ..credentials import redact_urls
 from ..errors import EngineDeadError, NibbleError
 from .admission import AdmissionGate
 from .builder import EngineParts, build_parts
+from .client import EngineStats
 from .engine import EngineCore
 from .faults import describe, is_device_fault
 from .types import FinishReason, GenerateRequest, RequestOutput, Usage
@@ -32,7 +33,8 @@ log = logging.getLogger(__name__)
 
 
 class AsyncEngine:
-    """Thread-backed async wrapper around :class:`EngineCore`."""
+    """Thread-backed async wrapper around :class:`EngineCore`; an ``EngineClient``
+    (services/engine/client.py)."""
 
     def __init__(self, parts: EngineParts, cfg: NibbleConfig):
         self.cfg = cfg
@@ -89,7 +91,7 @@ class AsyncEngine:
                     return
         finally:
             if not finished:
-                self.abort(request_id)
+                self._post_abort(request_id)
             with self._lock:
                 self._queues.pop(request_id, None)
 
@@ -99,30 +101,31 @@ class AsyncEngine:
         self._inbox.put(("call", (lambda: fn(*args), done)))
         return await asyncio.wrap_future(done)
 
-    def abort(self, request_id: str) -> None:
-        """Abort a request from any thread; its stream ends with finish_reason ABORT."""
+    async def abort(self, request_id: str) -> None:
+        """Abort a request; its stream ends with finish_reason ABORT."""
+        self._post_abort(request_id)
+
+    def _post_abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
 
-    def abort_all(self) -> int:
+    async def abort_all(self) -> int:
         """Abort every request; returns how many were known at the call."""
         with self._lock:
             n = len(self._queues)
         self._inbox.put(("abort_all", None))
         return n
 
-    def flush_cache(self, timeout: float = 30.0) -> bool:
+    async def flush_cache(self) -> bool:
         """Clear the prefix cache on the engine thread; False while requests run or wait."""
         if self.core.has_unfinished() or not self._inbox.empty():
             return False
-        done: concurrent.futures.Future = concurrent.futures.Future()
-        self._inbox.put(("call", (self.core.flush_cache, done)))
-        return done.result(timeout)
+        return bool(await self.call(self.core.flush_cache))
 
-    def stats(self) -> dict:
+    async def stats(self) -> EngineStats:
         """Gauges of the engine (read without locking; values may be one step old)."""
-        return self.core.stats()
+        return EngineStats.from_dict(self.core.stats())
 
-    def kv_events(self, since: int = 0, limit: int = 1000) -> dict:
+    async def kv_events(self, since: int = 0, limit: int = 1000) -> dict:
         """KV events after ``since`` (see ``nibble.tiering.events``)."""
         event_log = self.core.kv.events
         if event_log is None:
@@ -139,7 +142,7 @@ class AsyncEngine:
         """Why the engine stopped serving (a device fault), or None while it is healthy."""
         return self._dead
 
-    def server_info(self) -> dict:
+    async def server_info(self) -> dict:
         pool = self.core.pool
         return {
             "model": self.model_name,

@@ -17,19 +17,18 @@ Which callers reach these routes at all is decided by auth.py, not here.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
-from collections.abc import Callable
-from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.encoders import jsonable_encoder
 from pydantic import BaseModel, ConfigDict
 from starlette.responses import JSONResponse, Response
 
-from .auth import CALLER_SCOPE_KEY, Caller, redact_keys
+from ..frontend.auth import Caller, redact_keys
+from ..metrics import Metrics
+from .auth import CALLER_SCOPE_KEY
 from .errors import error_response
-from .protocol import Text
+from ..frontend.protocol import Text
 
 log = logging.getLogger(__name__)
 
@@ -39,14 +38,6 @@ class AbortRequestBody(BaseModel):
 
     rid: Text | None = None
     abort_all: bool = False
-
-
-async def call_engine(fn: Callable[..., Any], *args: Any) -> Any:
-    """Call an engine control method without blocking the event loop (a synchronous one
-    may wait for the engine thread)."""
-    if inspect.iscoroutinefunction(fn):
-        return await fn(*args)
-    return await asyncio.to_thread(fn, *args)
 
 
 def admin_router() -> APIRouter:
@@ -65,18 +56,24 @@ def admin_router() -> APIRouter:
 
     @router.get("/metrics")
     async def metrics(request: Request) -> Response:
-        body, content_type = await asyncio.to_thread(request.app.state.metrics.render,
-                                                     request.headers.get("accept"))
+        metrics: Metrics = request.app.state.metrics
+        try:
+            stats = await request.app.state.engine.stats()
+        except Exception:  # noqa: BLE001 - logged; the request metrics still go out
+            stats = None
+            metrics.stats_failed()
+        body, content_type = await asyncio.to_thread(metrics.render,
+                                                     request.headers.get("accept"), stats)
         return Response(body, media_type=content_type)
 
     @router.get("/get_server_info")
     async def get_server_info(request: Request) -> Response:
-        info = jsonable_encoder(request.app.state.engine.server_info())
+        info = jsonable_encoder(await request.app.state.engine.server_info())
         return JSONResponse(redact_keys(info))
 
     @router.post("/flush_cache")
     async def flush_cache(request: Request) -> Response:
-        if not await call_engine(request.app.state.engine.flush_cache):
+        if not await request.app.state.engine.flush_cache():
             return error_response(
                 400, "Cache not flushed: requests are running or queued. The prefix cache "
                 "can only be flushed while the server is idle; nothing was changed.",
@@ -87,10 +84,9 @@ def admin_router() -> APIRouter:
     @router.get("/kv_events")
     async def kv_events(request: Request, since: int = 0, limit: int = 1000) -> Response:
         """Cache events after ``since`` (stored/removed per tier, with content keys)."""
-        engine = request.app.state.engine
-        if not hasattr(engine, "kv_events"):
-            return JSONResponse({"events": [], "last_seq": 0, "lost": False})
-        return JSONResponse(engine.kv_events(max(0, since), max(1, min(limit, 10_000))))
+        events = await request.app.state.engine.kv_events(max(0, since),
+                                                          max(1, min(limit, 10_000)))
+        return JSONResponse(events)
 
     @router.post("/abort_request")
     async def abort_request(body: AbortRequestBody, request: Request) -> Response:
@@ -106,7 +102,7 @@ def admin_router() -> APIRouter:
                                       "(--admin-api-key), or a loopback client when none is "
                                       "configured", "permission_error", "abort_all",
                                       "insufficient_permissions")
-            n = int(await call_engine(engine.abort_all))
+            n = int(await engine.abort_all())
             log.info("/abort_request: aborted all requests (%d)", n)
             return JSONResponse({"success": True, "num_aborted": n})
         inflight = request.app.state.inflight
@@ -116,7 +112,7 @@ def admin_router() -> APIRouter:
                                   "(unknown, or already finished)", "invalid_request_error",
                                   "rid", "request_not_found")
         log.info("/abort_request: aborting %s", body.rid)
-        engine.abort(body.rid)
+        await engine.abort(body.rid)
         return JSONResponse({"success": True, "num_aborted": 1})
 
     return router

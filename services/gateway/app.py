@@ -22,23 +22,27 @@ from fastapi import APIRouter, FastAPI, Request
 from starlette.responses import Response
 
 from ..config import ServerConfig
+from ..engine.client import EngineClient
 from ..errors import NibbleError
 from ..metrics import Metrics
 from .admin import admin_router
-from .auth import TENANT_SCOPE_KEY, APIKeyMiddleware, AuthPolicy, cache_namespace
-from .drain import Drain, DrainMiddleware
+from ..frontend.auth import AuthPolicy, cache_namespace
+from ..frontend.drain import Drain
+from ..frontend.prepare import Prepared, check_model, prepare_chat, prepare_completion
+from ..frontend.preparer import Preparer
+from ..frontend.protocol import ChatCompletionRequest, CompletionRequest
+from ..frontend.tracking import InFlight, tracked
+from .auth import TENANT_SCOPE_KEY, APIKeyMiddleware
+from .drain import DrainMiddleware
 from .errors import ClientDisconnected, error_response, install_error_handlers
 from .limits import install_body_limit
 from .openapi import install_openapi
-from .preparer import Preparer
-from .protocol import ChatCompletionRequest, CompletionRequest
-from .serving import Prepared, check_model, prepare_chat, prepare_completion, respond
-from .tracking import InFlight, tracked
+from .serving import respond
 
 log = logging.getLogger(__name__)
 
 
-def _engine(request: Request) -> Any:
+def _engine(request: Request) -> EngineClient:
     return request.app.state.engine
 
 
@@ -65,7 +69,7 @@ async def _run(request: Request, prepare, body) -> Response:
                               "server_error")
 
 
-def _model_card(engine: Any, created: int) -> dict[str, Any]:
+def _model_card(engine: EngineClient, created: int) -> dict[str, Any]:
     return {"id": engine.model_name, "object": "model", "created": created,
             "owned_by": "nibble", "max_model_len": engine.context_length}
 
@@ -94,7 +98,7 @@ def openai_router() -> APIRouter:
     return router
 
 
-def create_app(engine: Any, server_cfg: ServerConfig | None = None) -> FastAPI:
+def create_app(engine: EngineClient, server_cfg: ServerConfig | None = None) -> FastAPI:
     """Build the gateway around a running engine (see services/engine/async_engine.py)."""
     server_cfg = server_cfg or ServerConfig()
     policy = AuthPolicy(server_cfg)             # raises ConfigError for unusable keys
@@ -102,7 +106,7 @@ def create_app(engine: Any, server_cfg: ServerConfig | None = None) -> FastAPI:
     app.state.engine = engine
     app.state.server_cfg = server_cfg
     app.state.created = int(time.time())
-    app.state.metrics = Metrics(getattr(engine, "stats", None))
+    app.state.metrics = Metrics()             # engine gauges: /metrics awaits engine.stats()
     app.state.inflight = InFlight()             # request ids being served, with their tenants
     app.state.drain = Drain(app.state.inflight)  # SIGTERM drain (drain.py, lifecycle.py)
     app.state.preparer = Preparer()             # shared with the gRPC API (cli.py)

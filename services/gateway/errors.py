@@ -1,9 +1,8 @@
 """Every failure leaves the gateway as OpenAI's error body with a fitting status.
 
-Body: ``{"error": {"message", "type", "param", "code"}}``. Mapping:
-InvalidRequestError and request validation -> 400, unknown route -> 404,
-ModelNotFoundError -> 404, RetryableError -> 503 with Retry-After, any other
-NibbleError or unexpected exception -> 500. A client that went away gets an
+Body: ``{"error": {"message", "type", "param", "code"}}``. Our exceptions map
+as frontend/errors.py describes (shared with gRPC); request validation -> 400,
+unknown route -> 404, an unexpected exception -> 500. A client that went away gets an
 empty 499 (nobody reads it). A missing or wrong API key gets 401 from the auth
 middleware (auth.py) before any handler runs.
 """
@@ -18,16 +17,12 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
-from ..errors import InvalidRequestError, ModelNotFoundError, NibbleError, RetryableError
+from ..errors import NibbleError
+from ..frontend.errors import describe, main_error, param_from_loc
 
 log = logging.getLogger(__name__)
 
-RETRY_AFTER_S = 1                    # default Retry-After for RetryableError without its own hint
 CLIENT_CLOSED_STATUS = 499           # nginx's "client closed request"
-
-# pydantic loc elements that name a union member or validator, not a field
-_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after",
-              "function-before", "function-wrap", "constrained-int"}
 
 
 class ClientDisconnected(Exception):
@@ -56,45 +51,16 @@ def error_response(status: int, message: str, err_type: str, param: str | None =
                         headers=headers)
 
 
-def param_from_loc(loc: tuple | list) -> str | None:
-    """``("body", "messages", 0, "content", "str")`` -> ``"messages[0].content"``."""
-    parts = list(loc[1:]) if loc and loc[0] == "body" else list(loc)
-    if not parts or not isinstance(parts[0], str):
-        return None
-    param = parts[0]
-    for p in parts[1:]:
-        if isinstance(p, int):
-            param += f"[{p}]"
-        elif isinstance(p, str) and p.isidentifier() and p not in _TYPE_TAGS:
-            param += f".{p}"
-        else:
-            break
-    return param
-
-
 def nibble_error_response(exc: NibbleError) -> JSONResponse:
-    """Map one of our exceptions to its OpenAI error response."""
-    if isinstance(exc, InvalidRequestError):
-        return error_response(400, str(exc), "invalid_request_error", exc.param, exc.code)
-    if isinstance(exc, ModelNotFoundError):
-        return error_response(404, str(exc), "invalid_request_error", "model", "model_not_found")
-    if isinstance(exc, RetryableError):
-        retry_after = getattr(exc, "retry_after", None) or RETRY_AFTER_S
-        return error_response(503, str(exc) or "the server is busy; retry later",
-                              "service_unavailable", None, type(exc).__name__,
-                              headers={"Retry-After": str(int(retry_after))})
-    log.error("request failed: %s: %s", type(exc).__name__, exc)
-    return error_response(500, str(exc) or type(exc).__name__, "server_error", None,
-                          type(exc).__name__)
-
-
-def main_error(errors: list[dict]) -> dict:
-    """The error to report: for a value that matched no member of a union (``prompt``,
-    ``content``), the one our own validators raised says most ("not valid Unicode")."""
-    for err in errors:
-        if err.get("type") == "value_error":
-            return err
-    return errors[0] if errors else {}
+    """Map one of our exceptions to its OpenAI error response (frontend/errors.py)."""
+    info = describe(exc)
+    if info.status >= 500 and info.retry_after is None:
+        log.error("request failed: %s: %s", type(exc).__name__, exc)
+    message = str(exc) or ("the server is busy; retry later" if info.retry_after else
+                           type(exc).__name__)
+    headers = {"Retry-After": str(info.retry_after)} if info.retry_after else None
+    return error_response(info.status, message, info.err_type, info.param, info.code,
+                          headers=headers)
 
 
 async def _on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:

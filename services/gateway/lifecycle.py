@@ -1,6 +1,6 @@
 """How ``nibble serve`` ends, and with which exit status.
 
-- The first SIGTERM or SIGINT drains (gateway/drain.py): new requests get 503
+- The first SIGTERM or SIGINT drains (frontend/drain.py): new requests get 503
   (gRPC UNAVAILABLE), running ones get ``--graceful-shutdown-timeout`` seconds,
   the rest end with an error; then the gRPC and HTTP servers stop and the
   process exits 0. A second signal cuts the running requests at once and forces
@@ -19,7 +19,8 @@ import signal
 from collections.abc import Callable
 from typing import Any
 
-from .drain import Drain
+from ..engine.client import EngineClient
+from ..frontend.drain import Drain
 
 log = logging.getLogger("nibble.serve")
 
@@ -29,7 +30,7 @@ GRPC_STOP_GRACE_S = 2.0     # after the drain nothing runs; open gRPC calls get 
 EXIT_OK, EXIT_ENGINE_DEAD = 0, 1
 
 
-def engine_healthy(engine: Any) -> bool:
+def engine_healthy(engine: EngineClient) -> bool:
     try:
         return bool(engine.is_healthy())
     except Exception:  # noqa: BLE001 - a failing check means unhealthy
@@ -48,7 +49,7 @@ class ServeLifecycle:
         grpc_server: the gRPC server to stop after the drain, or None.
     """
 
-    def __init__(self, server: Any, drain: Drain, engine: Any, timeout: float,
+    def __init__(self, server: Any, drain: Drain, engine: EngineClient, timeout: float,
                  grpc_server: Any = None, poll_s: float = ENGINE_POLL_S):
         self.server, self.drain, self.engine = server, drain, engine
         self.timeout, self.grpc_server, self.poll_s = timeout, grpc_server, poll_s
@@ -77,7 +78,7 @@ class ServeLifecycle:
     async def _engine_died(self) -> str:
         while engine_healthy(self.engine):
             await self.drain.clock.sleep(self.poll_s)
-        return getattr(self.engine, "dead_reason", None) or "the engine is not healthy"
+        return self.engine.dead_reason or "the engine is not healthy"
 
     async def run(self) -> None:
         """Until a signal or the engine's death; then drain, stop gRPC, end uvicorn."""

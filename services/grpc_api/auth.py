@@ -1,4 +1,4 @@
-"""API keys for the gRPC API: the HTTP gateway's policy (gateway/auth.py), by method.
+"""API keys for the gRPC API: the shared policy (frontend/auth.py), by method.
 
 - ``grpc.health.v1.Health`` is always open (probes).
 - ``GetServerInfo`` and ``FlushCache`` are admin methods (as ``/get_server_info``
@@ -28,7 +28,7 @@ from urllib.parse import unquote
 import grpc
 
 from ..config import ServerConfig
-from ..gateway.auth import (ABORT, ADMIN, OPEN, TENANT, AuthPolicy, Caller, Refusal,
+from ..frontend.auth import (ABORT, ADMIN, OPEN, TENANT, AuthPolicy, Caller, Refusal,
                             is_local_client, presented_keys)
 
 SERVICE = "nibble.v1.Nibble"

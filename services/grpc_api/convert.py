@@ -1,4 +1,4 @@
-"""Protobuf messages <-> the engine's types, through the HTTP gateway's request code.
+"""Protobuf messages <-> the engine's types, through the shared request code (frontend/).
 
 A ``GenerateRequest`` becomes the equivalent OpenAI request model
 (``ChatCompletionRequest`` for ``chat``, ``CompletionRequest`` for ``text`` or
@@ -14,11 +14,12 @@ from pydantic import ValidationError
 
 from nibble.proto.nibble.v1 import nibble_pb2 as pb
 
+from ..engine.client import EngineClient
 from ..engine.types import FinishReason, RequestOutput
 from ..errors import InvalidRequestError
-from ..gateway.errors import main_error, param_from_loc
-from ..gateway.protocol import ChatCompletionRequest, CompletionRequest
-from ..gateway.serving import Prepared, prepare_chat, prepare_completion
+from ..frontend.errors import main_error, param_from_loc
+from ..frontend.prepare import Prepared, prepare_chat, prepare_completion
+from ..frontend.protocol import ChatCompletionRequest, CompletionRequest
 
 OPTIONAL_SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "seed")
 FINISH_REASONS = {FinishReason.STOP: pb.FINISH_REASON_STOP,
@@ -53,7 +54,7 @@ def _invalid(exc: ValidationError) -> InvalidRequestError:
     return InvalidRequestError(msg, param=param_from_loc(loc))
 
 
-def prepare(engine: Any, msg: pb.GenerateRequest) -> Prepared:
+def prepare(engine: EngineClient, msg: pb.GenerateRequest) -> Prepared:
     """Validate ``msg`` and build the engine request (raises InvalidRequestError,
     ContextLengthExceededError or ModelNotFoundError as the HTTP path does)."""
     kind = msg.WhichOneof("prompt")

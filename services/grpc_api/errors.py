@@ -1,4 +1,4 @@
-"""Exceptions -> gRPC status codes (the gRPC twin of gateway/errors.py).
+"""Exceptions -> gRPC status codes, from the kinds frontend/errors.py assigns.
 
 InvalidRequestError -> INVALID_ARGUMENT, ModelNotFoundError -> NOT_FOUND,
 QueueFullError -> RESOURCE_EXHAUSTED, other RetryableError and EngineDeadError
@@ -14,8 +14,8 @@ from typing import NoReturn
 
 import grpc
 
-from ..errors import (EngineDeadError, InvalidRequestError, ModelNotFoundError, NibbleError,
-                      QueueFullError, RetryableError)
+from ..errors import NibbleError
+from ..frontend.errors import describe
 
 log = logging.getLogger(__name__)
 
@@ -23,18 +23,16 @@ PARAM_KEY = "nibble-error-param"
 TYPE_KEY = "nibble-error-type"
 
 
+CODES = {"invalid": grpc.StatusCode.INVALID_ARGUMENT, "not_found": grpc.StatusCode.NOT_FOUND,
+         "busy": grpc.StatusCode.RESOURCE_EXHAUSTED, "unavailable": grpc.StatusCode.UNAVAILABLE,
+         "internal": grpc.StatusCode.INTERNAL}
+
+
 def status_of(exc: BaseException, closing: bool = False) -> grpc.StatusCode:
-    """The status code for ``exc``; ``closing`` (server shutting down) turns faults into
-    UNAVAILABLE, since another replica can serve the retry."""
-    if isinstance(exc, InvalidRequestError):
-        return grpc.StatusCode.INVALID_ARGUMENT
-    if isinstance(exc, ModelNotFoundError):
-        return grpc.StatusCode.NOT_FOUND
-    if isinstance(exc, QueueFullError):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED
-    if isinstance(exc, (RetryableError, EngineDeadError)) or closing:
-        return grpc.StatusCode.UNAVAILABLE
-    return grpc.StatusCode.INTERNAL
+    """The status code for ``exc`` (its kind per frontend/errors.py); ``closing`` (server
+    shutting down) turns faults into UNAVAILABLE, since another replica can serve the retry."""
+    code = CODES[describe(exc).kind]
+    return grpc.StatusCode.UNAVAILABLE if closing and code is grpc.StatusCode.INTERNAL else code
 
 
 def trailers_of(exc: BaseException) -> tuple[tuple[str, str], ...]:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -27,10 +26,11 @@ from grpc_reflection.v1alpha import reflection
 from nibble.proto.nibble.v1 import nibble_pb2 as pb
 
 from ..config import ServerConfig
+from ..engine.client import EngineClient
 from ..errors import FatalError
-from ..gateway.drain import Drain
-from ..gateway.preparer import Preparer
-from ..gateway.tracking import InFlight
+from ..frontend.drain import Drain
+from ..frontend.preparer import Preparer
+from ..frontend.tracking import InFlight
 from ..metrics import Metrics
 from ..tls import grpc_server_credentials
 from .auth import SERVICE, AuthInterceptor, GrpcAuth
@@ -62,7 +62,7 @@ class GrpcServer:
     when both APIs run together, so requests of either kind are counted, abortable, drained
     and prepared alike."""
 
-    def __init__(self, engine: Any, cfg: ServerConfig, port: int | None = None, *,
+    def __init__(self, engine: EngineClient, cfg: ServerConfig, port: int | None = None, *,
                  metrics: Metrics | None = None, inflight: InFlight | None = None,
                  drain: Drain | None = None, preparer: Preparer | None = None):
         self.engine, self.cfg = engine, cfg

@@ -5,7 +5,7 @@ Generate streams one message per engine update. However a call ends early
 engine gets ``abort(request_id)`` so the request's KV pages are freed; an
 error before the first message becomes the call's status (errors.py), as does
 an engine error after it. Requests are tracked like HTTP ones
-(gateway/tracking.py): same metrics, same in-flight set, so the HTTP
+(frontend/tracking.py): same metrics, same in-flight set, so the HTTP
 ``/abort_request`` can abort them too.
 
 Request ids: the engine gets a server-unique id; the caller names its request
@@ -14,7 +14,7 @@ requests in flight. ``Abort`` finds a caller's own requests by that name or by
 engine id (its HTTP requests too); an admin may name any engine id in flight.
 Anything else answers ``num_aborted=0``, as for an unknown id.
 
-While the server drains (gateway/drain.py), ``Generate`` answers UNAVAILABLE.
+While the server drains (frontend/drain.py), ``Generate`` answers UNAVAILABLE.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import AsyncIterator
-from typing import Any
 
 import grpc
 from fastapi.encoders import jsonable_encoder
@@ -30,14 +29,14 @@ from fastapi.encoders import jsonable_encoder
 from nibble.proto.nibble.v1 import nibble_pb2 as pb
 from nibble.proto.nibble.v1 import nibble_pb2_grpc as pb_grpc
 
+from ..engine.client import EngineClient
 from ..engine.types import GenerateRequest
 from ..errors import InvalidRequestError, ServerDrainingError
-from ..gateway.admin import call_engine
-from ..gateway.auth import cache_namespace, redact_keys
-from ..gateway.drain import REFUSED_MESSAGE, Drain
-from ..gateway.preparer import Preparer
-from ..gateway.serving import AbortGuard, EngineOutputError
-from ..gateway.tracking import InFlight, tracked
+from ..frontend.auth import cache_namespace, redact_keys
+from ..frontend.drain import REFUSED_MESSAGE, Drain
+from ..frontend.errors import EngineOutputError
+from ..frontend.preparer import Preparer
+from ..frontend.tracking import AbortGuard, InFlight, tracked
 from ..metrics import Metrics
 from .auth import GrpcAuth
 from .convert import prepare, response
@@ -47,7 +46,7 @@ log = logging.getLogger(__name__)
 
 
 class NibbleServicer(pb_grpc.NibbleServicer):
-    def __init__(self, engine: Any, auth: GrpcAuth, metrics: Metrics, inflight: InFlight,
+    def __init__(self, engine: EngineClient, auth: GrpcAuth, metrics: Metrics, inflight: InFlight,
                  drain: Drain, preparer: Preparer):
         self.engine, self.auth, self.metrics, self.inflight = engine, auth, metrics, inflight
         self.drain = drain
@@ -98,7 +97,7 @@ class NibbleServicer(pb_grpc.NibbleServicer):
         except Exception as exc:  # noqa: BLE001 - becomes the call's status below
             failure = exc
         finally:
-            guard()              # cancelled, deadline passed or failed: free the engine's pages
+            await guard()        # cancelled, deadline passed or failed: free the engine's pages
             await gen.aclose()
         if failure is not None:
             await abort_with(context, failure, closing=self.closing)
@@ -113,7 +112,7 @@ class NibbleServicer(pb_grpc.NibbleServicer):
             if not caller.admin:
                 await context.abort(grpc.StatusCode.PERMISSION_DENIED,
                                     "abort_all needs an admin API key (--admin-api-key)")
-            n = int(await call_engine(self.engine.abort_all))
+            n = int(await self.engine.abort_all())
             log.info("gRPC Abort: aborted all requests (%d)", n)
             return pb.AbortResponse(num_aborted=n)
         rid = self.owned.get((caller.tenant, request.request_id))
@@ -123,13 +122,13 @@ class NibbleServicer(pb_grpc.NibbleServicer):
         if rid is None:
             return pb.AbortResponse(num_aborted=0)
         log.info("gRPC Abort: aborting %s", rid)
-        self.engine.abort(rid)
+        await self.engine.abort(rid)
         return pb.AbortResponse(num_aborted=1)
 
     async def GetServerInfo(self, request: pb.GetServerInfoRequest,
                             context: grpc.aio.ServicerContext) -> pb.ServerInfo:
         try:
-            info = redact_keys(jsonable_encoder(await call_engine(self.engine.server_info)))
+            info = redact_keys(jsonable_encoder(await self.engine.server_info()))
         except Exception as exc:  # noqa: BLE001 - becomes the call's status
             await abort_with(context, exc, closing=self.closing)
         return pb.ServerInfo(model=self.engine.model_name,
@@ -139,7 +138,7 @@ class NibbleServicer(pb_grpc.NibbleServicer):
     async def FlushCache(self, request: pb.FlushCacheRequest,
                          context: grpc.aio.ServicerContext) -> pb.FlushCacheResponse:
         try:
-            flushed = await call_engine(self.engine.flush_cache)
+            flushed = await self.engine.flush_cache()
         except Exception as exc:  # noqa: BLE001 - becomes the call's status
             await abort_with(context, exc, closing=self.closing)
         if not flushed:

@@ -1,4 +1,4 @@
-"""A scripted stand-in for AsyncEngine: same interface, no model.
+"""A scripted stand-in for AsyncEngine: an ``EngineClient``, no model.
 
 Tokenizer: one token per character (id = code point). The engine replies with
 ``reply`` one character per output, stops at max_tokens (finish "length") or
@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
+from nibble.services.engine.client import EngineStats
 from nibble.services.engine.types import FinishReason, GenerateRequest, RequestOutput, Usage
 from nibble.services.errors import InvalidRequestError
 
@@ -70,6 +71,7 @@ class FakeEngine:
         self.flushes = 0
         self.stats_extra: dict = {}
         self.shut_down = False
+        self.dead_reason: str | None = None
 
     def _out(self, req: GenerateRequest, ids: list[int], n_done: int, reason: FinishReason | None,
              error: str | None = None) -> RequestOutput:
@@ -111,31 +113,34 @@ class FakeEngine:
             last = i == len(ids) - 1
             yield self._out(req, [tok], i + 1, final if last else None)
 
-    def abort(self, request_id: str) -> None:
+    async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
 
-    def abort_all(self) -> int:
+    async def abort_all(self) -> int:
         ids = sorted(self.active)
         self.aborted.extend(ids)
         return len(ids)
 
-    def flush_cache(self) -> bool:
+    async def flush_cache(self) -> bool:
         if self.active:
             return False
         self.flushes += 1
         return True
 
-    def stats(self) -> dict:
-        return {"num_running": len(self.active), "num_queued": 0, "token_usage": 0.25,
+    async def stats(self) -> EngineStats:
+        return EngineStats(**{"num_running": len(self.active), "num_queued": 0, "token_usage": 0.25,
                 "max_total_tokens": 4096, "kv_bytes_per_token": 1234.5,
                 "kv_cache_dtype": "nvfp4", "cache_hit_rate": 0.5, "num_preemptions": 2,
-                "num_cached_pages": 3, **self.stats_extra}
+                "num_cached_pages": 3, **self.stats_extra})
 
-    def server_info(self) -> dict:
+    async def server_info(self) -> dict:
         return {"model": self.model_name, "context_length": self.context_length,
                 "config": {"server": {"port": 1, "api_keys": ["sk-user"],
                                       "admin_api_keys": ["sk-admin"]}},
                 "kv_pool": {"free_pages": 10, "total_pages": 10}}
+
+    async def kv_events(self, since: int = 0, limit: int = 1000) -> dict:
+        return {"events": [], "last_seq": 0, "lost": False}
 
     def is_healthy(self) -> bool:
         return self.healthy

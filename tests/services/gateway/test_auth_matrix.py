@@ -14,7 +14,7 @@ from starlette.testclient import TestClient
 
 from nibble.services.config import ServerConfig
 from nibble.services.gateway import create_app
-from nibble.services.gateway.auth import tenant_id
+from nibble.services.frontend.auth import tenant_id
 
 from .conftest import LOCAL, REMOTE
 

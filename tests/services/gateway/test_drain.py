@@ -13,8 +13,8 @@ import pytest
 from nibble.services.config import ServerConfig
 from nibble.services.errors import ServerDrainingError
 from nibble.services.gateway import create_app
-from nibble.services.gateway.drain import Drain
-from nibble.services.gateway.tracking import InFlight, tracked
+from nibble.services.frontend.drain import Drain
+from nibble.services.frontend.tracking import InFlight, tracked
 from nibble.services.metrics import Metrics
 
 from .conftest import LOCAL
@@ -127,7 +127,10 @@ def test_requests_that_finish_in_time_are_not_cut(FakeEngine):
             running = asyncio.ensure_future(
                 client.post("/v1/completions", json={**STREAM, "stream": False}))
             await until(lambda: engine.hanging)
-            report = await app.state.drain.run(10.0, lambda rid: pytest.fail(f"cut {rid}"))
+            async def never(rid):
+                pytest.fail(f"cut {rid}")
+
+            report = await app.state.drain.run(10.0, never)
             return report, await running
 
     report, r = asyncio.run(main())

@@ -8,9 +8,9 @@ import pytest
 
 from nibble.services.config import ServerConfig
 from nibble.services.errors import ConfigError
-from nibble.services.gateway.auth import (AuthPolicy, KeySet, cache_namespace, check_exposure,
-                                          is_local_client, is_loopback, log_security_posture,
-                                          presented_keys, tenant_id)
+from nibble.services.frontend.auth import (AuthPolicy, KeySet, cache_namespace, is_local_client,
+                                           is_loopback, presented_keys, tenant_id)
+from nibble.services.gateway.auth import check_exposure, log_security_posture
 
 from .conftest import REMOTE
 

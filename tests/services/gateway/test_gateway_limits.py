@@ -10,7 +10,7 @@ import pytest
 
 from nibble.services.config import ServerConfig
 from nibble.services.gateway import create_app
-from nibble.services.gateway.serving import MAX_CHARS_PER_TOKEN
+from nibble.services.frontend.prepare import MAX_CHARS_PER_TOKEN
 
 RELEASE_TIMEOUT_S = 5      # only ends a deadlock; the test then fails on the order of events
 

@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from nibble.services.engine.types import FinishReason, RequestOutput, Usage
 from nibble.services.errors import QueueFullError
-from nibble.services.gateway.tracking import InFlight, tracked
+from nibble.services.frontend.tracking import InFlight, tracked
 from nibble.services.metrics import Metrics
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}

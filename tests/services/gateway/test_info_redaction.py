@@ -27,8 +27,8 @@ def test_get_server_info_redacts_url_credentials(FakeEngine, make_client, url, s
     shown = redacted_config(cfg) if source == "engine" else dataclasses.asdict(cfg)
 
     class Engine(FakeEngine):
-        def server_info(self):
-            return {**super().server_info(), "config": shown}
+        async def server_info(self):
+            return {**await super().server_info(), "config": shown}
 
     r = make_client(Engine()).get("/get_server_info")
     assert r.status_code == 200

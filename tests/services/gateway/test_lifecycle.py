@@ -7,9 +7,9 @@ import asyncio
 import signal
 from types import SimpleNamespace
 
-from nibble.services.gateway.drain import Drain
+from nibble.services.frontend.drain import Drain
 from nibble.services.gateway.lifecycle import EXIT_ENGINE_DEAD, EXIT_OK, ServeLifecycle
-from nibble.services.gateway.tracking import InFlight
+from nibble.services.frontend.tracking import InFlight
 
 
 class StepClock:

@@ -9,7 +9,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from nibble.proto.nibble.v1 import nibble_pb2 as pb
 from nibble.services.config import ServerConfig
-from nibble.services.gateway.auth import tenant_id
+from nibble.services.frontend.auth import tenant_id
 from nibble.services.grpc_api.auth import GrpcAuth, peer_host
 
 from .conftest import run, serving, wait_for

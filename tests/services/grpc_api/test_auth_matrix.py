@@ -15,7 +15,7 @@ from grpc_health.v1 import health_pb2
 
 from nibble.proto.nibble.v1 import nibble_pb2 as pb
 from nibble.services.config import ServerConfig
-from nibble.services.gateway.auth import tenant_id
+from nibble.services.frontend.auth import tenant_id
 from nibble.services.grpc_api import auth as grpc_auth
 
 from .conftest import run, serving

@@ -14,8 +14,8 @@ from .conftest import run, serving
                                  "redis://redis.internal:6379/0?password=hunter2"])
 def test_get_server_info_redacts_url_credentials(FakeEngine, url):
     class Engine(FakeEngine):
-        def server_info(self):
-            info = super().server_info()
+        async def server_info(self):
+            info = await super().server_info()
             info["config"] = {**info["config"], "hicache": {"hicache_storage_url": url}}
             return info
 

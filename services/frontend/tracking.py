@@ -1,4 +1,5 @@
-"""Per-request bookkeeping around ``engine.generate``: metrics and the in-flight registry.
+"""Per-request bookkeeping around ``engine.generate``: metrics, the in-flight registry and
+the abort guard, for the HTTP gateway and the gRPC API alike.
 
 ``tracked(...)`` wraps the engine's output stream. While the stream runs, its
 request id is in the gateway's ``InFlight`` registry with the tenant that owns
@@ -15,7 +16,7 @@ the metrics once:
 A request the engine refuses before any output (queue full, invalid) is not a
 served request and is not counted.
 
-Drain cut (gateway/drain.py): ``InFlight.cut()`` marks every request in
+Drain cut (frontend/drain.py): ``InFlight.cut()`` marks every request in
 flight; their engine requests are then aborted, and the abort output of a
 marked request becomes a ``ServerDrainingError`` raised into the stream, so
 the client sees an error (SSE error event, 503, gRPC UNAVAILABLE), not a
@@ -25,11 +26,15 @@ normal "abort" finish. After a cut, new streams fail with that error at once.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 
+from ..engine.client import EngineClient
 from ..engine.types import FinishReason, RequestOutput
 from ..errors import ServerDrainingError
 from ..metrics import RequestTimer
+
+log = logging.getLogger(__name__)
 
 CUT_MESSAGE = ("the server is shutting down and its graceful shutdown timeout has passed; "
                "retry the request")
@@ -107,3 +112,20 @@ async def tracked(gen: AsyncIterator[RequestOutput], request_id: str, timer: Req
             timer.finish(_finish_reason(last, failed),
                          u.prompt_tokens if u else 0, u.completion_tokens if u else 0,
                          u.cached_tokens if u else 0)
+
+
+class AbortGuard:
+    """Aborts one request in the engine once, unless it was marked finished first."""
+
+    def __init__(self, engine: EngineClient, request_id: str):
+        self.engine, self.request_id, self.done = engine, request_id, False
+
+    def finish(self) -> None:
+        self.done = True
+
+    async def __call__(self) -> None:
+        if not self.done:
+            self.done = True
+            log.info("aborting %s: the client went away or its stream ended early",
+                     self.request_id)
+            await self.engine.abort(self.request_id)

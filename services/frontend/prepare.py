@@ -1,0 +1,184 @@
+"""From a validated API request (OpenAI body) to the engine's ``GenerateRequest``.
+
+``prepare_*``: check the model name and unsupported options, bound the
+prompt's length in characters (``check_prompt_chars``), tokenize (chat template
+for chat), check the context budget, map to SamplingParams. This is the one
+place requests are validated; the engine below only asserts. The functions are
+synchronous and slow for big prompts: callers run them on the Preparer's
+threads (preparer.py), never on the event loop. The HTTP gateway and the gRPC
+API (which converts its messages to the same request models) both use them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..engine.client import EngineClient
+from ..engine.types import GenerateRequest, SamplingParams
+from ..errors import ContextLengthExceededError, InvalidRequestError, ModelNotFoundError
+from .protocol import (ChatCompletionRequest, ChatFormatter, CompletionFormatter,
+                       CompletionRequest, Formatter, SamplingFields, new_request_id)
+
+# No token of any tokenizer we load spans more characters than this on average over a
+# prompt; a longer text cannot fit the context, so it is refused before tokenizing it.
+MAX_CHARS_PER_TOKEN = 32
+
+
+@dataclass
+class Prepared:
+    """A request ready for the engine, plus how to shape its response."""
+
+    gen_req: GenerateRequest
+    stream: bool
+    fmt: Formatter
+
+
+def check_model(engine: EngineClient, requested: str | None) -> None:
+    """A missing model field means the served one; any other name is a 404."""
+    if requested is not None and requested != engine.model_name:
+        raise ModelNotFoundError(f"The model '{requested}' does not exist; "
+                                 f"this server serves '{engine.model_name}'.")
+
+
+def _check_common(body: SamplingFields) -> None:
+    if body.n not in (None, 1):
+        raise InvalidRequestError("n must be 1: several choices per request are not supported",
+                                  param="n")
+    if body.top_k is not None and body.top_k < -1:
+        raise InvalidRequestError("top_k must be -1, 0 (off) or >= 1", param="top_k")
+
+
+def check_token_ids(tokenizer: Any, ids: list[int], param: str) -> None:
+    vocab = getattr(tokenizer, "vocab_size", None)
+    if isinstance(vocab, int) and ids and max(ids) >= vocab:
+        raise InvalidRequestError(f"token id {max(ids)} is out of range (vocab size {vocab})",
+                                  param=param)
+
+
+def resolve_max_tokens(requested: int | None, prompt_len: int, context_length: int,
+                       param: str) -> int:
+    """OpenAI's context check: prompt + completion must fit; absent max_tokens fills it."""
+    if prompt_len == 0:
+        raise InvalidRequestError("the prompt is empty", param=param)
+    if requested is None:
+        requested = context_length - prompt_len
+        if requested < 1:
+            raise ContextLengthExceededError(
+                f"This model's maximum context length is {context_length} tokens. However, your "
+                f"prompt is {prompt_len} tokens, which leaves no room for completion tokens. "
+                "Please reduce the length of the prompt.", param=param,
+                code="context_length_exceeded")
+    elif prompt_len + requested > context_length:
+        raise ContextLengthExceededError(
+            f"This model's maximum context length is {context_length} tokens. However, you "
+            f"requested {prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} "
+            f"for the completion (max_tokens)). Please reduce the length of the prompt or "
+            "max_tokens.", param=param, code="context_length_exceeded")
+    return requested
+
+
+def check_prompt_chars(n_chars: int, context_length: int, param: str) -> None:
+    """Refuse a prompt of ``n_chars`` characters that cannot fit ``context_length`` tokens,
+    without spending the time to tokenize it (the exact check follows tokenization)."""
+    limit = context_length * MAX_CHARS_PER_TOKEN
+    if n_chars > limit:
+        raise ContextLengthExceededError(
+            f"This model's maximum context length is {context_length} tokens. However, your "
+            f"prompt is {n_chars} characters long, more than any prompt that fits ({limit} "
+            "characters at most). Please reduce the length of the prompt.", param=param,
+            code="context_length_exceeded")
+
+
+def sampling_params(body: SamplingFields, max_tokens: int) -> SamplingParams:
+    stop = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=-1 if body.top_k in (None, 0) else body.top_k,
+        seed=body.seed,
+        stop=tuple(s for s in stop if s),
+        stop_token_ids=tuple(body.stop_token_ids or ()),
+        ignore_eos=bool(body.ignore_eos),
+    )
+
+
+def _finish_prepare(engine: EngineClient, body: SamplingFields, ids: list[int], max_tokens: int | None,
+                    param: str, prefix: str, fmt_cls: type[Formatter]) -> Prepared:
+    max_tokens = resolve_max_tokens(max_tokens, len(ids), engine.context_length, param)
+    rid = new_request_id(prefix)
+    stream = bool(body.stream)
+    include_usage = stream and bool(body.stream_options and body.stream_options.include_usage)
+    gen_req = GenerateRequest(request_id=rid, prompt_token_ids=ids,
+                              sampling=sampling_params(body, max_tokens),
+                              cache_salt=body.cache_salt)
+    return Prepared(gen_req, stream, fmt_cls(rid, engine.model_name, include_usage))
+
+
+def completion_prompt_ids(tokenizer: Any, prompt: str | list, context_length: int) -> list[int]:
+    """``str | list[int] | [str] | [list[int]]`` -> token ids (batches of >1 are rejected)."""
+    if isinstance(prompt, list):
+        if not prompt:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        if not isinstance(prompt[0], int):
+            if len(prompt) != 1:
+                raise InvalidRequestError("only one prompt per request is supported",
+                                          param="prompt")
+            prompt = prompt[0]
+    if isinstance(prompt, str):
+        check_prompt_chars(len(prompt), context_length, "prompt")
+        # Raw text: the tokenizer adds BOS if its config says so (as vLLM does).
+        return list(tokenizer.encode(prompt, add_special_tokens=True))
+    ids = list(prompt)
+    check_token_ids(tokenizer, ids, "prompt")
+    return ids
+
+
+def prepare_completion(engine: EngineClient, body: CompletionRequest) -> Prepared:
+    check_model(engine, body.model)
+    _check_common(body)
+    if body.echo:
+        raise InvalidRequestError("echo is not supported", param="echo")
+    if body.logprobs:
+        raise InvalidRequestError("logprobs are not supported", param="logprobs")
+    if body.best_of not in (None, 1):
+        raise InvalidRequestError("best_of must be 1", param="best_of")
+    if body.suffix:
+        raise InvalidRequestError("suffix is not supported", param="suffix")
+    ids = completion_prompt_ids(engine.tokenizer, body.prompt, engine.context_length)
+    return _finish_prepare(engine, body, ids, body.max_tokens, "prompt", "cmpl",
+                           CompletionFormatter)
+
+
+def chat_messages(body: ChatCompletionRequest) -> list[dict[str, str]]:
+    """Messages as the chat template takes them: text-only content, joined parts."""
+    out = []
+    for i, m in enumerate(body.messages):
+        content = m.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.type != "text" or part.text is None:
+                    raise InvalidRequestError(
+                        f"messages[{i}]: only 'text' content parts are supported, "
+                        f"got '{part.type}'", param=f"messages[{i}].content")
+                texts.append(part.text)
+            content = "\n".join(texts)
+        role = "system" if m.role == "developer" else m.role
+        out.append({"role": role, "content": content or ""})
+    return out
+
+
+def prepare_chat(engine: EngineClient, body: ChatCompletionRequest) -> Prepared:
+    check_model(engine, body.model)
+    _check_common(body)
+    if body.logprobs:
+        raise InvalidRequestError("logprobs are not supported", param="logprobs")
+    messages = chat_messages(body)
+    check_prompt_chars(sum(len(m["content"]) for m in messages), engine.context_length,
+                       "messages")
+    text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    ids = list(engine.tokenizer.encode(text, add_special_tokens=False))
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    return _finish_prepare(engine, body, ids, max_tokens, "messages", "chatcmpl", ChatFormatter)
