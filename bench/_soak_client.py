@@ -47,7 +47,8 @@ class SoakResult:
     start: float                 # seconds from the run's start
     end: float = 0.0
     ttft: float | None = None    # seconds to the first content chunk
-    outcome: str = "ok"          # ok | disconnected | aborted | error:<kind>
+    outcome: str = "ok"          # ok | disconnected | aborted | refused | error:<kind>
+    retry_after: float = 0.0     # a refusal's Retry-After (s): no worker can take requests now
     text: str = ""
     detail: str = ""             # the error message, if any
 
@@ -99,6 +100,10 @@ async def _stream(client: httpx.AsyncClient, url: str, plan: RequestPlan, body: 
     chunks, aborting = 0, None
     async with client.stream("POST", f"{url}/v1/chat/completions", json=body,
                              headers=headers) as r:
+        if r.status_code == 503 and r.headers.get("retry-after"):
+            res.outcome, res.detail = "refused", (await r.aread()).decode(errors="replace")[:300]
+            res.retry_after = float(r.headers["retry-after"])
+            return
         if r.status_code != 200:
             res.outcome = f"error:http_{r.status_code}"
             res.detail = (await r.aread()).decode(errors="replace")[:300]

@@ -39,6 +39,7 @@ from ._soak_client import RequestPlan, SoakResult, make_prompts, run_one
 from ._server import ServerProcess
 
 FAULT_WINDOW_S = 5.0
+RETRY_CAP_S = 5.0           # longest Retry-After the load honours before trying again
 PREFIX = "soak:kv:"
 RSS_SLACK = 0.15            # RSS may end this much above baseline (allocator caches)
 FD_SLACK = 4
@@ -133,6 +134,8 @@ class Soak:
             res = await run_one(client, self.srv.url, self.prompts, plan, self.args.max_tokens,
                                 self.t0)
             self.results.append(res)
+            if res.outcome == "refused":        # a real client honours Retry-After
+                await asyncio.sleep(min(RETRY_CAP_S, max(0.1, res.retry_after)))
 
     async def inject(self, deadline: float) -> None:
         for frac, fault in fault_plan(self.args):
@@ -205,12 +208,18 @@ def classify(results: list[SoakResult], faults: list[dict[str, Any]], prompts) -
     wrong = [r for r in results if any(c in r.text for i, c in enumerate(codes)
                                        if i != r.prompt)]
     errors = [r for r in results if r.outcome.startswith("error")]
+    # 503 + Retry-After: admitted nothing, lost nothing (no worker of a role is up, e.g. while
+    # Ray restarts a killed one); reported apart from errors, with the span they cover
+    refused = [r for r in results if r.outcome == "refused"]
     windows = [(f["t"], f["t"] + FAULT_WINDOW_S) for f in faults]
     stray = [r for r in errors if not any(lo <= r.end <= hi for lo, hi in windows)]
     return {"outcomes": dict(Counter(r.outcome for r in results)),
             "wrong_answers": len(wrong),
             "wrong_examples": [{"prompt": r.prompt, "text": r.text[:120]} for r in wrong[:5]],
             "errors": len(errors), "errors_outside_fault_windows": len(stray),
+            "refused": len(refused),
+            "refused_span_s": [min(r.start for r in refused), max(r.end for r in refused)]
+            if refused else None,
             "error_examples": sorted({r.detail[:160] for r in errors})[:10]}
 
 

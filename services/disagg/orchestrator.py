@@ -129,8 +129,15 @@ class Orchestrator:
             async for out in self._serve(req, sent):
                 sent += out.new_token_ids
                 yield out
-                if req.request_id in self.aborted:
+                if out.finished:
                     return
+                if req.request_id in self.aborted:
+                    break
+            # Every stream ends with a finished output, as the colocated engine's does: a
+            # client abort gives finish_reason ABORT, a stream that just stopped an error.
+            why = None if req.request_id in self.aborted else "the decode stream ended early"
+            yield RequestOutput(req.request_id, [], "", True, FinishReason.ABORT,
+                                Usage(len(req.prompt_token_ids), len(sent)), error=why)
         finally:
             self.inflight.pop(req.request_id, None)
             self.aborted.discard(req.request_id)
