@@ -103,12 +103,39 @@ def unfuse(core) -> None:
     core.runner.model.set_fused_kernels(False)
     if hasattr(core.runner.backend, "fused"):
         core.runner.backend.fused = False
+    _recapture(core)
+
+
+def set_recipe(core, recipe) -> None:
+    """Timing only: run the step with the K recipe ``recipe`` (None: plain NVFP4, the code
+    path of ``nvfp4_plain``). Keys stored meanwhile do not match the pool's parameters, so
+    the tokens are wrong; the bytes, shapes and kernels are those of the other format."""
+    hook = core.runner.backend._recipe
+    hook.recipe = recipe
+    if recipe is None:
+        hook._dev = None
+    _recapture(core)
+
+
+def _recapture(core) -> None:
     if core.runner.graphs is not None:
         core.runner.graphs.recapture()
 
 
-def _phase_name(core) -> str:
-    return "fused" if getattr(core.runner.model, "fused_kernels", False) else "unfused"
+def _phase_plan(core, args) -> list[tuple[str, object]]:
+    """``[(phase name, switch to it or None)]`` of a burst's steady steps, in order."""
+    fused = getattr(core.runner.model, "fused_kernels", False)
+    plan = [("fused" if fused else "unfused", None)]
+    recipe = getattr(getattr(core.runner.backend, "_recipe", None), "recipe", None)
+    if args.compare_plain_recipe and recipe is not None:
+        plan.append((plan[0][0] + "_plain_k", lambda: set_recipe(core, None)))
+    if args.compare_unfused and fused:
+        def back_and_unfuse():
+            if len(plan) > 2:
+                set_recipe(core, recipe)      # the recipe back on: unfused with it, as before
+            unfuse(core)
+        plan.append(("unfused", back_and_unfuse))
+    return plan
 
 
 class _Burst:
@@ -147,9 +174,10 @@ def run_burst(core, args, c: int, vocab: int, gen: torch.Generator, label: str) 
     """``c`` requests at once; per-request TTFT/ITL and per-step decode throughput.
 
     Steady steps (every request decoding) are timed against the memory floor, per phase:
-    ``fused`` (or ``unfused``, as the engine runs) and, with ``--compare-unfused``, the
-    unfused ops from halfway through the steady steps. Each phase gets a profiler pass
-    over ``--profile-steps`` steps (CUDA; those steps are left out of the timing).
+    ``fused`` (or ``unfused``, as the engine runs), then with ``--compare-plain-recipe``
+    ``fused_plain_k`` (the K recipe off) and with ``--compare-unfused`` ``unfused``, each
+    on an equal share of the steady steps (graphs recaptured at each switch). Each phase
+    gets a profiler pass over ``--profile-steps`` steps (CUDA; left out of the timing).
     """
     sp = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     prompts = [random_prompt(gen, args.input_len, vocab) for _ in range(c)]
@@ -158,8 +186,9 @@ def run_burst(core, args, c: int, vocab: int, gen: torch.Generator, label: str) 
         core.add_request(GenerateRequest(f"{label}-{i}", p, sp))
     weights, bpt = weight_read_bytes(core.runner.model), core.pool.layout.bytes_per_token
     device = core.pool.device
-    split = max(2 * PROFILE_WARMUP + 2 * args.profile_steps, (args.output_len - c) // 2)
-    phase, since = _phase_name(core), 0
+    plan = _phase_plan(core, args)
+    split = max(2 * PROFILE_WARMUP + 2 * args.profile_steps, (args.output_len - c) // len(plan))
+    (phase, _), since, at = plan[0], 0, 0
     with tqdm(total=c * args.output_len, desc=label, unit="tok", leave=False) as bar:
         while core.has_unfinished():
             steady = len(b.first) == c
@@ -174,9 +203,11 @@ def run_burst(core, args, c: int, vocab: int, gen: torch.Generator, label: str) 
                 continue
             bar.update(b.step(meter))
             since += steady
-            if args.compare_unfused and phase == "fused" and meter.steps >= split:
-                unfuse(core)
-                phase, since = "unfused", 0
+            if at + 1 < len(plan) and meter.steps >= split:
+                at += 1
+                phase, switch = plan[at]
+                switch()
+                since = 0
     wall = time.perf_counter() - b.t0
     ttfts = list(b.first.values())
     itl = [(b.last[k] - b.first[k]) / max(1, args.output_len - 1) for k in b.first]
@@ -320,8 +351,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     b.add_argument("--profile-steps", type=int, default=5,
                    help="steady steps per phase under the torch profiler (CUDA; 0: none)")
     b.add_argument("--compare-unfused", action="store_true",
-                   help="switch to the unfused layer ops halfway through the steady steps "
-                        "and report both phases")
+                   help="end the steady steps on the unfused layer ops (a phase of its own)")
+    b.add_argument("--compare-plain-recipe", action="store_true",
+                   help="a recipe format also times a phase with its K recipe off (plain "
+                        "NVFP4's code path; timing only, tokens are wrong meanwhile)")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--out", default="out/e2e")
     ns = ap.parse_args(argv)
