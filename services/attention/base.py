@@ -184,7 +184,9 @@ class RecipeHook:
         return p.apply(layer, q, k.to(q.dtype), v.to(q.dtype))
 
     def layer_params(self, layer: int, device: torch.device) -> dict[str, torch.Tensor | None]:
-        """Layer ``layer``'s fp32 parameters on ``device`` as fused kernels take them:
+        """Layer ``layer``'s fp32 parameters on ``device`` (with its index, e.g. a tensor's
+        ``.device``: ``cuda`` alone would not match ``cuda:0`` and copy them again, which a
+        CUDA graph capture refuses) as fused kernels take them:
         ``k_shift``/``v_shift`` ``[H, D]``, ``k_map``/``q_map`` ``[H, D, D]`` (None: absent).
         Views of the tensors that :meth:`apply` keeps current, so graphs read the current ones.
         """

@@ -281,7 +281,7 @@ class TritonAttentionBackend(AttentionBackend):
         ks, vs = self._scales[layer]
         q = qkv_rope_store(self.layout, pages, inp.qkv, inp.num_heads, inp.cos, inp.sin,
                            self._slots, ks, vs, inp.q_norm, inp.k_norm, inp.eps,
-                           **self._recipe.layer_params(layer, self.device))
+                           **self._recipe.layer_params(layer, inp.qkv.device))
         out = torch.empty_like(q)
         self._decode(pages, q, out, ks, vs)
         return self._recipe.finish(layer, out)

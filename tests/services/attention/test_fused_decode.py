@@ -111,9 +111,12 @@ def test_gemma_keeps_its_torch_layers():
 
 
 @pytest.mark.gpu
-def test_fused_matches_unfused_on_gpu_with_graphs():
-    """bf16 model, head_dim 128 (the CUDA decode kernel), decode replayed from CUDA graphs."""
-    model = tiny_model(tiny_arch("qwen3", head_dim=128, num_heads=8, num_kv_heads=2),
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_fused_matches_unfused_on_gpu_with_graphs(head_dim):
+    """bf16 model, decode replayed from CUDA graphs captured after calibration (their recipe
+    parameters must already be on the device); head_dim 128 decodes with the CUDA kernel,
+    64 with Triton's."""
+    model = tiny_model(tiny_arch("qwen3", head_dim=head_dim, num_heads=8, num_kv_heads=2),
                        torch.bfloat16).cuda()
     for kv in ("nvfp4", "fp8_e4m3"):
         _compare(model, kv, 0.15, device="cuda", graph_max_bs=8, use_graphs=True)
