@@ -40,25 +40,28 @@ def _engine(model, kv, device="cpu", calibrate=True, **kw):
     return eng
 
 
-def _count_fused(backend) -> list[int]:
-    """Wraps ``backend.forward_fused``: counts [fused, declined] calls."""
+@contextlib.contextmanager
+def count_fused():
+    """Counts ``TritonAttentionBackend.forward_fused`` calls as [fused, declined], graph
+    captures included (a replayed step calls nothing in Python)."""
     counts = [0, 0]
-    orig = backend.forward_fused
+    orig = TritonAttentionBackend.forward_fused
 
-    def spy(layer, inp, meta):
-        out = orig(layer, inp, meta)
+    def spy(self, layer, inp, meta):
+        out = orig(self, layer, inp, meta)
         counts[out is None] += 1
         return out
-    backend.forward_fused = spy
-    return counts
+    TritonAttentionBackend.forward_fused = spy
+    try:
+        yield counts
+    finally:
+        TritonAttentionBackend.forward_fused = orig
 
 
 def _compare(model, kv, tol, device="cpu", **kw):
     ref = run_scenario(_engine(model, kv, device, **kw), mixed_arrivals())
-    with fused(model, True):
-        eng = _engine(model, kv, device, **kw)
-        counts = _count_fused(eng.runner.backend)
-        got = run_scenario(eng, mixed_arrivals())
+    with fused(model, True), count_fused() as counts:
+        got = run_scenario(_engine(model, kv, device, **kw), mixed_arrivals())
     assert got[2] == ref[2] == {"prefill", "extend", "decode", "mixed"}
     assert counts[0] > 0 and counts[1] > 0, counts     # decode steps fused, mixed ones not
     assert got[1] == ref[1]
@@ -86,11 +89,16 @@ def test_fused_matches_unfused_nvfp4(model64):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter run (CPU only)")
+def test_fused_on_the_static_graph_path(model64):
+    """The decode graphs' static buffers (run eagerly on CPU): padded rows, slot -1."""
+    _compare(model64, "nvfp4", 2e-2, graph_max_bs=4)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter run (CPU only)")
 def test_fused_declines_fp8_fresh_kv(model64):
-    with fused(model64, True):
-        eng = _engine(model64, "fp8_e4m3", calibrate=False, prefill_kv_dtype="fp8_e4m3")
-        counts = _count_fused(eng.runner.backend)
-        run_scenario(eng, {0: mixed_arrivals()[0]})
+    with fused(model64, True), count_fused() as counts:
+        run_scenario(_engine(model64, "fp8_e4m3", calibrate=False, prefill_kv_dtype="fp8_e4m3"),
+                     {0: mixed_arrivals()[0]})
     assert counts[0] == 0 and counts[1] > 0
 
 
