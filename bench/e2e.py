@@ -26,6 +26,7 @@ engine's decode path (CUDA graphs or eager). Writes ``e2e.json`` and
 from __future__ import annotations
 
 import argparse
+import collections
 import gc
 import json
 import pathlib
@@ -41,7 +42,10 @@ from nibble.services.engine.builder import build_parts
 from nibble.services.engine.types import GenerateRequest, SamplingParams
 from nibble.tiering import pages_for_budget
 
+from ._step_profile import H200_READ_TBS, FloorMeter, profile_steps, weight_read_bytes
+
 MODES = ("iso-concurrency", "iso-capacity")
+PROFILE_WARMUP = 4        # steady steps (after a phase starts) before its profiler pass
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -78,10 +82,12 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def ttft_probe(core, args, vocab: int, gen: torch.Generator) -> list[float]:
-    """Seconds to the first token for single requests run alone (prefill of input_len)."""
+def ttft_probe(core, args, vocab: int, gen: torch.Generator) -> tuple[float, list[float]]:
+    """Seconds to the first token for single requests run alone (prefill of input_len):
+    ``(cold, warm)``: the first probe (first-call costs of the long shapes: allocator
+    growth, kernel autotuning) is reported apart and left out of the median."""
     out = []
-    for i in range(args.ttft_probes):
+    for i in range(args.ttft_probes + 1):
         req = GenerateRequest(f"probe{i}", random_prompt(gen, args.input_len, vocab),
                               SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
         t0 = time.perf_counter()
@@ -89,44 +95,131 @@ def ttft_probe(core, args, vocab: int, gen: torch.Generator) -> list[float]:
         while core.has_unfinished():
             core.step()
         out.append(time.perf_counter() - t0)
-    return out
+    return out[0], out[1:]
+
+
+def unfuse(core) -> None:
+    """Switch the engine to the unfused torch layer ops (and recapture its decode graphs)."""
+    core.runner.model.set_fused_kernels(False)
+    if hasattr(core.runner.backend, "fused"):
+        core.runner.backend.fused = False
+    _recapture(core)
+
+
+def set_recipe(core, recipe) -> None:
+    """Timing only: run the step with the K recipe ``recipe`` (None: plain NVFP4, the code
+    path of ``nvfp4_plain``). Keys stored meanwhile do not match the pool's parameters, so
+    the tokens are wrong; the bytes, shapes and kernels are those of the other format."""
+    hook = core.runner.backend._recipe
+    hook.recipe = recipe
+    if recipe is None:
+        hook._dev = None
+    _recapture(core)
+
+
+def _recapture(core) -> None:
+    if core.runner.graphs is not None:
+        core.runner.graphs.recapture()
+
+
+def _phase_plan(core, args) -> list[tuple[str, object]]:
+    """``[(phase name, switch to it or None)]`` of a burst's steady steps, in order."""
+    fused = getattr(core.runner.model, "fused_kernels", False)
+    plan = [("fused" if fused else "unfused", None)]
+    recipe = getattr(getattr(core.runner.backend, "_recipe", None), "recipe", None)
+    if args.compare_plain_recipe and recipe is not None:
+        plan.append((plan[0][0] + "_plain_k", lambda: set_recipe(core, None)))
+    if args.compare_unfused and fused:
+        def back_and_unfuse():
+            if len(plan) > 2:
+                set_recipe(core, recipe)      # the recipe back on: unfused with it, as before
+            unfuse(core)
+        plan.append(("unfused", back_and_unfuse))
+    return plan
+
+
+class _Burst:
+    """Bookkeeping of one burst: first/last token times, tokens per request, step meters."""
+
+    def __init__(self, core, args, c: int):
+        self.core, self.args, self.c = core, args, c
+        self.first: dict[str, float] = {}
+        self.last: dict[str, float] = {}
+        self.generated: collections.Counter = collections.Counter()
+        self.max_batch = 0
+        self.meters: dict[str, FloorMeter] = {}
+        self.profiles: dict[str, dict] = {}
+        self.t0 = time.perf_counter()
+
+    def step(self, meter: FloorMeter | None = None) -> int:
+        """One engine step; a steady one (every request decoding) is added to ``meter``."""
+        steady = len(self.first) == self.c
+        context = sum(self.generated.values()) + self.c * self.args.input_len
+        s0 = time.perf_counter()
+        outs = self.core.step()
+        now = time.perf_counter()
+        n = sum(len(o.new_token_ids) for o in outs)
+        for o in outs:
+            if o.new_token_ids:
+                self.first.setdefault(o.request_id, now - self.t0)
+                self.last[o.request_id] = now - self.t0
+                self.generated[o.request_id] += len(o.new_token_ids)
+        self.max_batch = max(self.max_batch, n)
+        if meter is not None and steady and n == self.c:
+            meter.add(now - s0, n, context)
+        return n
 
 
 def run_burst(core, args, c: int, vocab: int, gen: torch.Generator, label: str) -> dict:
-    """``c`` requests at once; per-request TTFT/ITL and per-step decode throughput."""
+    """``c`` requests at once; per-request TTFT/ITL and per-step decode throughput.
+
+    Steady steps (every request decoding) are timed against the memory floor, per phase:
+    ``fused`` (or ``unfused``, as the engine runs), then with ``--compare-plain-recipe``
+    ``fused_plain_k`` (the K recipe off) and with ``--compare-unfused`` ``unfused``, each
+    on an equal share of the steady steps (graphs recaptured at each switch). Each phase
+    gets a profiler pass over ``--profile-steps`` steps (CUDA; left out of the timing).
+    """
     sp = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     prompts = [random_prompt(gen, args.input_len, vocab) for _ in range(c)]
-    first: dict[str, float] = {}
-    last: dict[str, float] = {}
-    decode_tokens, decode_time, max_batch = 0, 0.0, 0
-    t0 = time.perf_counter()
+    b = _Burst(core, args, c)
     for i, p in enumerate(prompts):
         core.add_request(GenerateRequest(f"{label}-{i}", p, sp))
+    weights, bpt = weight_read_bytes(core.runner.model), core.pool.layout.bytes_per_token
+    device = core.pool.device
+    plan = _phase_plan(core, args)
+    split = max(2 * PROFILE_WARMUP + 2 * args.profile_steps, (args.output_len - c) // len(plan))
+    (phase, _), since, at = plan[0], 0, 0
     with tqdm(total=c * args.output_len, desc=label, unit="tok", leave=False) as bar:
         while core.has_unfinished():
-            steady = len(first) == c     # every request is past its prefill: a pure decode step
-            s0 = time.perf_counter()
-            outs = core.step()
-            now = time.perf_counter()
-            n = sum(len(o.new_token_ids) for o in outs)
-            for o in outs:
-                if o.new_token_ids:
-                    first.setdefault(o.request_id, now - t0)
-                    last[o.request_id] = now - t0
-            max_batch = max(max_batch, n)
-            if steady and n == c:
-                decode_tokens += n
-                decode_time += now - s0
-            bar.update(n)
-    wall = time.perf_counter() - t0
-    ttfts = [first[k] for k in first]
-    itl = [(last[k] - first[k]) / max(1, args.output_len - 1) for k in first]
+            steady = len(b.first) == c
+            if phase not in b.meters:
+                b.meters[phase] = FloorMeter(weights, bpt, args.read_ceiling_tbs)
+            meter = b.meters[phase]
+            if (steady and since == PROFILE_WARMUP and args.profile_steps
+                    and device.type == "cuda" and phase not in b.profiles):
+                b.profiles[phase] = profile_steps(lambda: bar.update(b.step()),
+                                                  args.profile_steps, device)
+                since += 1
+                continue
+            bar.update(b.step(meter))
+            since += steady
+            if at + 1 < len(plan) and meter.steps >= split:
+                at += 1
+                phase, switch = plan[at]
+                switch()
+                since = 0
+    wall = time.perf_counter() - b.t0
+    ttfts = list(b.first.values())
+    itl = [(b.last[k] - b.first[k]) / max(1, args.output_len - 1) for k in b.first]
+    phases = {k: {**m.summary(), **({"profile": b.profiles[k]} if k in b.profiles else {})}
+              for k, m in b.meters.items() if m.steps}
+    main = next(iter(phases.values()), {})
     return {"concurrency": c, "requests": c, "wall_s": wall,
             "output_tok_s": c * args.output_len / wall,
-            "decode_tok_s": decode_tokens / decode_time if decode_time else 0.0,
-            "decode_steps": decode_tokens // max(c, 1), "max_decode_batch": max_batch,
+            "decode_tok_s": main.get("decode_tok_s", 0.0),
+            "decode_steps": main.get("steps", 0), "max_decode_batch": b.max_batch,
             "ttft_mean_s": statistics.fmean(ttfts), "ttft_p99_s": pct(ttfts, 0.99),
-            "itl_median_s": pct(itl, 0.5)}
+            "itl_median_s": pct(itl, 0.5), "phases": phases}
 
 
 def bench_format(fmt: str, args, base_ns: argparse.Namespace, conc: dict[str, int | None]) -> dict:
@@ -154,7 +247,7 @@ def bench_format(fmt: str, args, base_ns: argparse.Namespace, conc: dict[str, in
     core.add_request(warm)      # JIT compiles and first-call costs stay out of the figures
     while core.has_unfinished():
         core.step()
-    res["ttft_probe_s"] = ttft_probe(core, args, vocab, gen)
+    res["ttft_cold_s"], res["ttft_probe_s"] = ttft_probe(core, args, vocab, gen)
     _sync(device)
     todo = {}
     for mode in args.modes:
@@ -170,6 +263,13 @@ def bench_format(fmt: str, args, base_ns: argparse.Namespace, conc: dict[str, in
         print(f"{fmt:<9} C={c:<3} ({'+'.join(modes)}) TTFT mean {run['ttft_mean_s']:.2f}s "
               f"decode {run['decode_tok_s']:.0f} tok/s, output {run['output_tok_s']:.0f} tok/s, "
               f"max batch {run['max_decode_batch']}")
+        for name, ph in run["phases"].items():
+            prof = ph.get("profile", {})
+            print(f"  {name:<8} step {ph['step_ms']:.2f} ms, floor {ph['floor_ms']:.2f} ms "
+                  f"({100 * ph['floor_share']:.0f}% reached), {ph['decode_tok_s']:.0f} tok/s"
+                  + (f"; {prof['kernels_per_step']:.0f} kernels/step "
+                     f"({prof['kernels_per_step'] / core.runner.model.arch.num_layers:.1f}/layer),"
+                     f" GPU idle {100 * prof['gpu_idle_share']:.0f}%" if prof else ""))
     res["graph_replays"] = graphs.replays if graphs is not None else 0
     del parts, core, graphs
     gc.collect()
@@ -244,7 +344,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     b.add_argument("--concurrency", type=int, default=None,
                    help="iso-concurrency C (default: the smallest capacity among the formats)")
     b.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
-    b.add_argument("--ttft-probes", type=int, default=2)
+    b.add_argument("--ttft-probes", type=int, default=2,
+                   help="warm TTFT probes (one cold probe runs first and is reported apart)")
+    b.add_argument("--read-ceiling-tbs", type=float, default=H200_READ_TBS,
+                   help="device read bandwidth (TB/s) for the memory floor of a step")
+    b.add_argument("--profile-steps", type=int, default=5,
+                   help="steady steps per phase under the torch profiler (CUDA; 0: none)")
+    b.add_argument("--compare-unfused", action="store_true",
+                   help="end the steady steps on the unfused layer ops (a phase of its own)")
+    b.add_argument("--compare-plain-recipe", action="store_true",
+                   help="a recipe format also times a phase with its K recipe off (plain "
+                        "NVFP4's code path; timing only, tokens are wrong meanwhile)")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--out", default="out/e2e")
     ns = ap.parse_args(argv)

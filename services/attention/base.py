@@ -23,6 +23,7 @@ from nibble.kernels.nvfp4 import e4m3_round
 from nibble.kernels.recipes import RecipeParams
 
 from ..errors import ConfigError
+from ..models.base import QKVInput
 
 
 @dataclass
@@ -84,6 +85,18 @@ class AttentionBackend(ABC):
                 meta: AttentionMetadata) -> torch.Tensor:
         """``q [T, Hq, D]``, ``k``/``v`` ``[T, H, D]`` (RoPE applied) -> ``[T, Hq, D]`` in q's dtype."""
 
+    def forward_fused(self, layer: int, inp: QKVInput, meta: AttentionMetadata
+                      ) -> torch.Tensor | None:
+        """Attention from the QKV projection's output (``inp``, see
+        :class:`~nibble.services.models.base.QKVInput`) -> ``[T, Hq, D]``, or None where this
+        backend does not fuse this step (the model then computes q, k, v and calls
+        :meth:`forward`). The default fuses nothing."""
+        return None
+
+    def bind(self, meta: AttentionMetadata) -> "BoundAttention":
+        """The model's attention callable for one step (``AttentionFn``, with ``fused``)."""
+        return BoundAttention(self, meta)
+
     # CUDA graphs (services/engine/cuda_graph.py): a backend that can be captured sets
     # supports_cuda_graph and implements the two methods below.
     supports_cuda_graph: bool = False
@@ -100,6 +113,20 @@ class AttentionBackend(ABC):
 
     def prepare_graph_replay(self) -> None:
         """Refresh per-step device state in place (e.g. global scales) before a replay."""
+
+
+class BoundAttention:
+    """A backend and one step's metadata as the model's ``AttentionFn``."""
+
+    def __init__(self, backend: AttentionBackend, meta: AttentionMetadata):
+        self.backend, self.meta = backend, meta
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor) -> torch.Tensor:
+        return self.backend.forward(layer, q, k, v, self.meta)
+
+    def fused(self, layer: int, inp: QKVInput) -> torch.Tensor | None:
+        return self.backend.forward_fused(layer, inp, self.meta)
 
 
 class RecipeHook:
@@ -155,6 +182,20 @@ class RecipeHook:
         if p is None:
             return q, k, v
         return p.apply(layer, q, k.to(q.dtype), v.to(q.dtype))
+
+    def layer_params(self, layer: int, device: torch.device) -> dict[str, torch.Tensor | None]:
+        """Layer ``layer``'s fp32 parameters on ``device`` (with its index, e.g. a tensor's
+        ``.device``: ``cuda`` alone would not match ``cuda:0`` and copy them again, which a
+        CUDA graph capture refuses) as fused kernels take them:
+        ``k_shift``/``v_shift`` ``[H, D]``, ``k_map``/``q_map`` ``[H, D, D]`` (None: absent).
+        Views of the tensors that :meth:`apply` keeps current, so graphs read the current ones.
+        """
+        p = self._sync(device)
+        if p is None:
+            return dict(k_shift=None, k_map=None, q_map=None, v_shift=None)
+        pick = lambda t: None if t is None else t[layer]  # noqa: E731
+        return dict(k_shift=pick(p.k_shift), k_map=pick(p.k_map), q_map=pick(p.q_map),
+                    v_shift=pick(p.v_shift))
 
     def finish(self, layer: int, out: torch.Tensor) -> torch.Tensor:
         """Attention output ``[T, Hq, D]`` -> with the V shift added back (if the recipe has one)."""

@@ -11,6 +11,10 @@ lengths, the extend masks) and allocates the extend workspace; every layer's
 * **extend**: one :func:`~nibble.kernels.triton.gather_kv` launch per layer
   dequantizes every extend sequence's prefix into the shared workspace, then
   torch SDPA over prefix + chunk, per sequence;
+* **fused decode step** (:meth:`~TritonAttentionBackend.forward_fused`, where the model
+  hands over the QKV projection's output and every sequence of the step decodes): one
+  :func:`~nibble.kernels.triton.qkv_rope_store` launch does QK-norm, RoPE, the K recipe
+  and the store, then the decode kernel below (``--disable-fused-kernels`` turns it off);
 * **decode**: one fused split-K paged-decode launch (plus its reduce) per layer
   for all decode sequences: the register-level Hopper kernel
   :func:`~nibble.kernels.cuda.decode_attention_cuda` where it applies
@@ -35,11 +39,13 @@ from nibble.kernels import PageLayout
 from nibble.kernels.cuda import decode_attention_cuda, default_variant, store_kv_nvfp4_cuda
 from nibble.kernels.cuda import default_num_splits as cuda_num_splits
 from nibble.kernels.cuda.store import unsupported_reason as cuda_store_reason
-from nibble.kernels.triton import decode_attention, default_num_splits, gather_kv, store_kv
+from nibble.kernels.triton import (decode_attention, default_num_splits, gather_kv,
+                                   qkv_rope_store, store_kv)
 from nibble.kernels.triton._common import FORMAT_CODES
 from nibble.tiering import KVPool
 
 from ..errors import ConfigError
+from ..models.base import QKVInput
 from .base import AttentionBackend, AttentionMetadata, RecipeHook, fresh_kv, register_backend
 from .decode_select import (CUDA_SM90, DecodeChoice, confirm_group, select_decode_impl,
                             select_store_impl)
@@ -76,7 +82,8 @@ class TritonAttentionBackend(AttentionBackend):
             checked at the first decode (a group the CUDA kernel lacks falls
             back to Triton there, with a warning).
         device_cfg: the device slice; its ``decode_kernel`` and ``store_kernel``
-            (auto|triton|cuda) pick the kernels (None: both auto).
+            (auto|triton|cuda) pick the kernels (None: both auto), and
+            ``disable_fused_kernels`` turns :meth:`forward_fused` off.
 
     Attributes:
         decode_impl: "cuda-sm90" or "triton", the decode kernel (see :mod:`.decode_select`).
@@ -93,6 +100,7 @@ class TritonAttentionBackend(AttentionBackend):
             raise ConfigError(reason)
         decode_kernel, store_kernel = ("auto", "auto") if device_cfg is None else \
             (device_cfg.decode_kernel, device_cfg.store_kernel)
+        self.fused = device_cfg is None or not device_cfg.disable_fused_kernels
         self.layout = pool.layout
         self.store_impl = select_store_impl(pool.layout, pool.device, store_kernel)
         self._set_decode(select_decode_impl(pool.layout, pool.device, num_q_heads, decode_kernel))
@@ -259,6 +267,23 @@ class TritonAttentionBackend(AttentionBackend):
             self._extend(pages, q, k, v, meta, out, ks, vs)
         if self._dec:
             self._decode(pages, q, out, ks, vs)
+        return self._recipe.finish(layer, out)
+
+    def forward_fused(self, layer: int, inp: QKVInput, meta: AttentionMetadata
+                      ) -> torch.Tensor | None:
+        """A decode-only step from the QKV output: one launch transforms q, K and V (QK-norm,
+        RoPE, the K recipe) and stores K/V, then the decode kernel; ``[T, Hq, D]``. None for
+        steps with prefill or extend rows, with ``--prefill-kv-dtype fp8_e4m3`` (K/V are
+        stored from FP8 there) or with fused kernels off."""
+        if not (self.fused and self._dec and self._dec_direct and not self.fp8_fresh):
+            return None
+        pages = self.pool.layer(layer)
+        ks, vs = self._scales[layer]
+        q = qkv_rope_store(self.layout, pages, inp.qkv, inp.num_heads, inp.cos, inp.sin,
+                           self._slots, ks, vs, inp.q_norm, inp.k_norm, inp.eps,
+                           **self._recipe.layer_params(layer, inp.qkv.device))
+        out = torch.empty_like(q)
+        self._decode(pages, q, out, ks, vs)
         return self._recipe.finish(layer, out)
 
     def _sdpa(self, q, k, v, causal=False, mask=None):

@@ -213,6 +213,11 @@ class DeviceConfig:
         "auto", choices=kernel_choices,
         help="Triton backend: the NVFP4 quantize-and-store kernel (auto = triton; cuda: the "
              "CUDA C++ one, same bytes, needs compute capability 9.0)")
+    disable_fused_kernels: bool = flag(
+        False, help="CUDA: run each decoder layer on unfused torch ops (about 45 kernels per "
+                    "layer) instead of the fused Triton kernels (residual add + RMSNorm, "
+                    "QK-norm + RoPE + K recipe + KV store, SiLU-and-mul; 10 per decode layer), "
+                    "for A/B runs")
 
 
 @dataclass(frozen=True)

@@ -242,6 +242,8 @@ def build_parts(cfg: NibbleConfig) -> EngineParts:
     pool = KVPool(layout, plan_num_pages(cfg.cache, layout, device, weight_bytes), device)
     # The format's K recipe, if any: calibrated over the context the engine will serve.
     calibrate_pool(loaded.model, loaded.tokenizer, pool, arch, cfg.model.context_length)
+    # Fused Triton layer kernels on CUDA (after calibration, which stays on the torch ops).
+    loaded.model.set_fused_kernels(device.type == "cuda" and not cfg.device.disable_fused_kernels)
     per_format = {name: PageLayout(name, **geometry).bytes_per_token for name in KV_CACHE_FORMATS}
     backend = ATTENTION_BACKENDS[backend_name](pool, arch.sm_scale, cfg.cache.prefill_kv_dtype,
                                                device_cfg=cfg.device)

@@ -100,8 +100,7 @@ class DecodeGraphRunner:
         buf = self.buf
         meta = self.backend.bind_decode_graph(buf.block_tables[:b], buf.seq_lens[:b],
                                               buf.slots[:b], self.max_context)
-        hidden = self.model(buf.input_ids[:b], buf.positions[:b],
-                            lambda layer, q, k, v: self.backend.forward(layer, q, k, v, meta))
+        hidden = self.model(buf.input_ids[:b], buf.positions[:b], self.backend.bind(meta))
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
@@ -126,6 +125,16 @@ class DecodeGraphRunner:
         torch.cuda.synchronize(self.device)
         log.info("captured decode CUDA graphs for batch sizes %s in %.1fs",
                  list(self.buckets), time.perf_counter() - start)
+
+    def recapture(self) -> None:
+        """Drop every graph and capture again (after the model's kernels changed, e.g. fused
+        kernels switched off for an A/B run). The static buffers are reset to padding first,
+        so the warm-up forwards store nothing into live pages."""
+        self.buf.slots.fill_(-1)
+        self.buf.seq_lens.fill_(1)
+        self._graphs.clear()
+        self._logits.clear()
+        self.capture()
 
     # ------------------------------------------------------------------ replay
 

@@ -70,8 +70,7 @@ class ModelRunner:
                                for s in seqs]).to(self.device)
         meta = self._metadata(seqs, page_size)
         self.backend.plan(meta)
-        hidden = self.model(ids, positions, lambda layer, q, k, v: self.backend.forward(
-            layer, q, k, v, meta))
+        hidden = self.model(ids, positions, self.backend.bind(meta))
         if rows is None:
             return None
         last = [meta.seq_starts[i] + meta.new_lens[i] - 1 for i, s in enumerate(seqs) if s.sample]

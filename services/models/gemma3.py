@@ -121,6 +121,10 @@ class Gemma3CausalLM(CausalLM):
             x = layer(x, cos, sin, attn)
         return gemma_rms_norm(x, self.norm, self.arch.rms_norm_eps)
 
+    def set_fused_kernels(self, enabled: bool) -> None:
+        """Gemma 3's layers (four norms, GeGLU) have no fused path: the torch ops always run."""
+        self.fused_kernels = False
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden [N, hidden]`` -> float32 logits ``[N, vocab]``, soft-capped if configured."""
         logits = F.linear(hidden, self.lm_head).float()

@@ -8,6 +8,14 @@ attention is per token, so sequence boundaries only matter inside the
 Weights are fused at load time: q/k/v into one ``[Hq*D + 2*Hkv*D, H]``
 matrix and gate/up into one ``[2*I, H]`` matrix, so a layer runs four GEMMs.
 Parameters use HF checkpoint names only at the ``load_weights`` boundary.
+
+With fused kernels on (:meth:`CausalLM.set_fused_kernels`, the engine's default on
+CUDA) a layer runs the Triton kernels of ``kernels/triton/layer_ops.py``: the
+residual add rides with the next RMSNorm (a layer returns its output and the
+residual separately) and SwiGLU's ``silu(gate) * up`` is one launch; the attention
+callable may take the QKV output whole (``AttentionFn.fused``: QK-norm, RoPE, the K
+recipe and the KV store in one kernel). A decode step then runs ten kernels per
+layer. Off (the CPU default), the torch ops below run unchanged.
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ModelLoadError
-from .base import AttentionFn
+from .base import AttentionFn, QKVInput, fused_attention
 from .config import ModelArchConfig
 from .rope import RotaryCache, apply_rope
 
@@ -60,7 +68,36 @@ class DecoderLayer(nn.Module):
         a = self.arch
         t = x.shape[0]
         h = rms_norm(x, self.input_norm, a.rms_norm_eps)
+        o = self._attention(F.linear(h, self.qkv_weight, self.qkv_bias), cos, sin, attn)
+        x = x + F.linear(o.reshape(t, a.q_size), self.o_weight, self.o_bias)
+        h = rms_norm(x, self.post_norm, a.rms_norm_eps)
+        gate, up = F.linear(h, self.gate_up_weight).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, self.down_weight)
+
+    def forward_fused(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+                      sin: torch.Tensor, attn: AttentionFn) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`forward` on the fused kernels: ``(x, residual)`` ``[T, H]`` -> the MLP's
+        output and the residual before it (their sum is what :meth:`forward` returns);
+        ``residual`` None in the first layer."""
+        from nibble.kernels.triton.layer_ops import add_rms_norm, silu_mul
+        a = self.arch
+        t = x.shape[0]
+        h, residual = add_rms_norm(x, residual, self.input_norm, a.rms_norm_eps)
         qkv = F.linear(h, self.qkv_weight, self.qkv_bias)
+        o = fused_attention(attn, self.layer_id, QKVInput(
+            qkv, a.num_heads, a.num_kv_heads, a.head_dim, cos, sin, self.q_norm, self.k_norm,
+            a.rms_norm_eps))
+        if o is None:
+            o = self._attention(qkv, cos, sin, attn)
+        o = F.linear(o.reshape(t, a.q_size), self.o_weight, self.o_bias)
+        h, residual = add_rms_norm(o, residual, self.post_norm, a.rms_norm_eps)
+        return F.linear(silu_mul(F.linear(h, self.gate_up_weight)), self.down_weight), residual
+
+    def _attention(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   attn: AttentionFn) -> torch.Tensor:
+        """The unfused attention inputs (torch QK-norm and RoPE) from ``qkv``, then ``attn``."""
+        a = self.arch
+        t = qkv.shape[0]
         q, k, v = qkv.split([a.q_size, a.kv_size, a.kv_size], dim=-1)
         q = q.view(t, a.num_heads, a.head_dim)
         k = k.view(t, a.num_kv_heads, a.head_dim)
@@ -69,11 +106,7 @@ class DecoderLayer(nn.Module):
             q = rms_norm(q, self.q_norm, a.rms_norm_eps)
             k = rms_norm(k, self.k_norm, a.rms_norm_eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o = attn(self.layer_id, q, k, v.contiguous())
-        x = x + F.linear(o.reshape(t, a.q_size), self.o_weight, self.o_bias)
-        h = rms_norm(x, self.post_norm, a.rms_norm_eps)
-        gate, up = F.linear(h, self.gate_up_weight).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, self.down_weight)
+        return attn(self.layer_id, q, k, v.contiguous())
 
 
 # HF checkpoint name -> (our parameter path, fused part index or None).
@@ -122,11 +155,17 @@ class CausalLM(nn.Module):
         self.lm_head = (self.embed if arch.tie_word_embeddings
                         else _param(arch.vocab_size, arch.hidden_size, dtype=dtype, device=device))
         self.rope = RotaryCache(arch)
+        self.fused_kernels = False
         self._loaded: set[tuple[str, int | None]] = set()
 
     @property
     def device(self) -> torch.device:
         return self.embed.device
+
+    def set_fused_kernels(self, enabled: bool) -> None:
+        """Run the layers on the fused Triton kernels (see the module docstring); they run
+        on CUDA, and on CPU only under Triton's interpreter (tests)."""
+        self.fused_kernels = enabled
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn: AttentionFn) -> torch.Tensor:
@@ -143,6 +182,12 @@ class CausalLM(nn.Module):
         """
         x = F.embedding(input_ids, self.embed)
         cos, sin = self.rope.lookup(positions, x.dtype)
+        if self.fused_kernels:
+            from nibble.kernels.triton.layer_ops import add_rms_norm
+            residual = None
+            for layer in self.layers:
+                x, residual = layer.forward_fused(x, residual, cos, sin, attn)
+            return add_rms_norm(x, residual, self.norm, self.arch.rms_norm_eps)[0]
         for layer in self.layers:
             x = layer(x, cos, sin, attn)
         return rms_norm(x, self.norm, self.arch.rms_norm_eps)

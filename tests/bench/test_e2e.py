@@ -37,6 +37,11 @@ def test_runs_write_consistent_json(tmp_path):
         assert run["decode_steps"] == 7           # 8 tokens: 1 from prefill + 7 decode steps
         assert 0 < run["ttft_mean_s"] <= run["wall_s"] and run["decode_tok_s"] > 0
         assert r["decode_path"] == "eager"
+        assert len(r["ttft_probe_s"]) == 1 and r["ttft_cold_s"] > 0   # the cold probe apart
+        ph = run["phases"]["unfused"]                 # CPU: the torch layer ops
+        assert ph["steps"] == 7 and ph["decode_tok_s"] == run["decode_tok_s"]
+        assert 0 < ph["floor_ms"] < ph["step_ms"] and 0 < ph["floor_share"] < 1
+        assert "profile" not in ph                    # the profiler pass runs on CUDA only
     s = data["summary"]
     assert s["capacity_token_ratio"] == 1.0 and s["iso_concurrency"] == 10
     assert (out / "e2e.png").stat().st_size > 10_000

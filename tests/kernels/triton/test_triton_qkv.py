@@ -1,0 +1,170 @@
+"""The fused QK-norm + RoPE + K recipe + K/V store kernel against its torch reference.
+
+The pool starts as random bytes (poison): outside the slots written, every byte
+must be unchanged. Inside them the kernel and the reference quantize values that
+agree to float32 rounding (bf16 MMA operands on a GPU), so a code may flip where a
+value sits on a rounding boundary: the dequantized rows must agree closely and
+almost every byte must match.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nibble.kernels import KernelInputError, PageLayout
+from nibble.kernels.fused_ref import qkv_store_ref, qkv_transform_ref
+from nibble.kernels.triton.qkv import qkv_rope_store
+
+HAS_CUDA = torch.cuda.is_available()
+CPU = pytest.param("cpu", marks=pytest.mark.skipif(HAS_CUDA,
+                                                  reason="interpreter only without CUDA"))
+GPU = pytest.param("cuda", marks=pytest.mark.gpu)
+
+
+def _rope_tables(pos: torch.Tensor, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    inv = 1.0 / (10000.0 ** (torch.arange(0, d, 2).float() / d))
+    f = torch.outer(pos.float(), inv)
+    emb = torch.cat((f, f), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def _recipe(h: int, d: int, gen: torch.Generator):
+    """A shift and an invertible map (orthogonal times a diagonal), q_map = k_map^-T."""
+    qr = torch.linalg.qr(torch.randn(h, d, d, generator=gen, dtype=torch.float64))[0]
+    k_map = qr * torch.exp(torch.randn(h, 1, d, generator=gen, dtype=torch.float64) * 0.3)
+    q_map = torch.linalg.inv(k_map).mT
+    shift = torch.randn(h, d, generator=gen) * 0.5
+    return shift, k_map.float().contiguous(), q_map.float().contiguous()
+
+
+def _read(layout: PageLayout, pages, slots: torch.Tensor, gs: float, side: str) -> torch.Tensor:
+    """Dequantized rows ``[n, H, D]`` float32 of the slots, from the K or V side."""
+    s = layout.page_size
+    page, off = slots // s, slots % s
+    data = getattr(pages, f"{side}_data")[page, :, off]
+    scales = getattr(pages, f"{side}_scale")
+    scales = None if scales is None else scales[page, :, off]
+    return getattr(layout.fmt, side).dequantize(data, scales, gs, torch.float32)
+
+
+def _blank(layout: PageLayout, pages, slots: torch.Tensor) -> None:
+    s = layout.page_size
+    for view in pages:
+        if view is not None:
+            view[slots // s, :, slots % s] = 0
+
+
+def _run(device, fmt="nvfp4", hq=4, h=2, d=64, t=19, page=16, recipe=True, qk_norm=True,
+         v_shift=False, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    layout = PageLayout(fmt, 2, h, d, page)
+    npages = -(-t // page) + 2
+    pool = layout.allocate(npages)
+    pool.random_(0, 256, generator=gen)
+    expect = pool.clone()
+    qkv = (torch.randn(t, (hq + 2 * h) * d, generator=gen) * 2).to(dtype)
+    cos, sin = _rope_tables(torch.randint(0, 4000, (t,), generator=gen), d)
+    slots = torch.randperm(npages * page, generator=gen)[:t]
+    slots[t // 2] = -1                                       # padding row: not stored
+    norms = (torch.rand(d, generator=gen) + 0.5, torch.rand(d, generator=gen) + 0.5) \
+        if qk_norm else (None, None)
+    shift, k_map, q_map = _recipe(h, d, gen) if recipe else (None, None, None)
+    vs = torch.randn(h, d, generator=gen) if v_shift else None
+    kw = dict(q_norm=norms[0], k_norm=norms[1], eps=1e-6, k_shift=shift, k_map=k_map,
+              q_map=q_map, v_shift=vs)
+    q_ref = qkv_store_ref(layout, layout.layer_view(expect, 1), qkv, hq, cos, sin, slots,
+                          0.5, 2.0, **kw)
+    dev = lambda x: None if x is None else x.to(device)  # noqa: E731
+    pool_dev = pool.to(device)
+    q = qkv_rope_store(layout, layout.layer_view(pool_dev, 1), qkv.to(device), hq,
+                       cos.to(device), sin.to(device), slots.to(device), 0.5, 2.0,
+                       **{k: dev(v) if isinstance(v, torch.Tensor) else v for k, v in kw.items()})
+    return layout, pool_dev.cpu(), expect, slots, q.cpu(), q_ref
+
+
+def _check(run, q_tol, kv_tol, flip_share):
+    layout, got, expect, slots, q, q_ref = run
+    assert q.dtype == q_ref.dtype
+    assert float((q.double() - q_ref.double()).norm() / q_ref.double().norm()) < q_tol
+    live = slots[slots >= 0]
+    pg, pe = layout.layer_view(got, 1), layout.layer_view(expect, 1)
+    for side, gs in (("k", 0.5), ("v", 2.0)):
+        a, b = _read(layout, pg, live, gs, side), _read(layout, pe, live, gs, side)
+        assert torch.isfinite(a).all()
+        assert float((a - b).norm() / b.norm()) < kv_tol, side
+    flips = sum(int((x != y).sum()) for x, y in zip(pg, pe) if x is not None)
+    total = sum(x[live // layout.page_size].numel() // layout.page_size for x in pg
+                if x is not None)
+    assert flips <= flip_share * total, f"{flips} of {total} bytes differ"
+    _blank(layout, pg, live)
+    _blank(layout, pe, live)
+    assert torch.equal(got, expect), "bytes outside the written slots changed"
+
+
+@pytest.mark.parametrize("device", [CPU])
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8_e4m3", "bf16"])
+@pytest.mark.parametrize("recipe", [True, False])
+def test_qkv_matches_reference_interpreted(device, fmt, recipe):
+    _check(_run(device, fmt, recipe=recipe), 1e-5, 1e-3, 0.002)
+
+
+@pytest.mark.parametrize("device", [CPU])
+def test_qkv_no_qk_norm_group_one_head_dim_32_v_shift(device):
+    _check(_run(device, hq=2, h=2, d=32, t=5, qk_norm=False, v_shift=True), 1e-5, 1e-3, 0.01)
+
+
+@pytest.mark.parametrize("device", [CPU])
+def test_qkv_bf16_input_page_64(device):
+    _check(_run(device, dtype=torch.bfloat16, page=64, t=17), 1e-2, 1e-3, 0.01)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8_e4m3"])
+@pytest.mark.parametrize("t", [16, 61, 300])
+@pytest.mark.parametrize("recipe", [True, False])
+def test_qkv_matches_reference_gpu(fmt, t, recipe):
+    """Qwen3-8B's attention shape (32 query / 8 KV heads, head_dim 128), bf16 input."""
+    run = _run("cuda", fmt, hq=32, h=8, d=128, t=t, page=64, recipe=recipe,
+               dtype=torch.bfloat16, seed=t)
+    # bf16 MMA operands: q' and K' carry ~3e-3 relative error before quantization.
+    _check(run, 1.5e-2, 0.06 if fmt == "nvfp4" else 0.02, 0.12)
+
+
+def test_reference_recipe_keeps_scores_up_to_a_constant_per_query():
+    """q'.k' = q.k - q.c for every key: softmax sees the same attention."""
+    gen = torch.Generator().manual_seed(3)
+    h, d, hq, t = 2, 16, 4, 6
+    qkv = torch.randn(t, (hq + 2 * h) * d, generator=gen)
+    cos, sin = _rope_tables(torch.arange(t), d)
+    shift, k_map, q_map = _recipe(h, d, gen)
+    q0, k0, _ = qkv_transform_ref(qkv, hq, h, cos, sin, None, None, 1e-6)
+    q1, k1, _ = qkv_transform_ref(qkv, hq, h, cos, sin, None, None, 1e-6, 0.0, shift, k_map,
+                                  q_map)
+    kk0, kk1 = k0.repeat_interleave(hq // h, 1), k1.repeat_interleave(hq // h, 1)
+    s0 = torch.einsum("qhd,khd->hqk", q0, kk0)
+    s1 = torch.einsum("qhd,khd->hqk", q1, kk1)
+    diff = s0 - s1
+    torch.testing.assert_close(diff, diff[..., :1].expand_as(diff), atol=1e-4, rtol=1e-4)
+
+
+def test_checks():
+    layout = PageLayout("nvfp4", 1, 2, 64, 16)
+    pages = layout.layer_view(layout.allocate(2), 0)
+    qkv = torch.randn(3, 8 * 64)
+    cos = sin = torch.ones(3, 64)
+    slots = torch.arange(3)
+    with pytest.raises(KernelInputError, match="qkv must be"):
+        qkv_rope_store(layout, pages, torch.randn(3, 7 * 64), 4, cos, sin, slots)
+    with pytest.raises(KernelInputError, match="multiple of the 2 KV heads"):
+        qkv_rope_store(layout, pages, torch.randn(3, 7 * 64), 3, cos, sin, slots)
+    with pytest.raises(KernelInputError, match="cos must be"):
+        qkv_rope_store(layout, pages, qkv, 4, torch.ones(3, 32), sin, slots)
+    with pytest.raises(KernelInputError, match="k_map must be"):
+        qkv_rope_store(layout, pages, qkv, 4, cos, sin, slots, k_map=torch.ones(2, 64, 32))
+    with pytest.raises(KernelInputError, match="slot_mapping"):
+        qkv_rope_store(layout, pages, qkv, 4, cos, sin, slots[:2])
+    with pytest.raises(KernelInputError, match="head_dim"):
+        lay = PageLayout("nvfp4", 1, 2, 48, 16)
+        qkv_rope_store(lay, lay.layer_view(lay.allocate(1), 0), torch.randn(3, 8 * 48), 4,
+                       torch.ones(3, 48), torch.ones(3, 48), slots)

@@ -1,0 +1,130 @@
+"""Fused decoder layers (kernels/triton/layer_ops.py, qkv.py) through a real EngineCore.
+
+The same model runs with fused kernels off (torch ops) and on (Triton; on CPU under
+the interpreter): every step's logits must agree and greedy tokens must match,
+through prefill, extend and decode; the decode steps must take the fused
+QKV path (one launch for QK-norm, RoPE, the K recipe and the store).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from nibble.services.attention import TritonAttentionBackend
+from nibble.services.attention.calibration import calibrate_pool
+from nibble.services.config import DeviceConfig
+
+from .conftest import make_engine_with, mixed_arrivals, run_scenario, tiny_arch, tiny_model
+from .test_k_recipe_backends import BF16_RECIPE, TextTokenizer
+
+pytestmark = pytest.mark.skipif(TritonAttentionBackend is None,
+                                reason="Triton is not importable")
+
+
+@contextlib.contextmanager
+def fused(model, on: bool):
+    model.set_fused_kernels(on)
+    try:
+        yield
+    finally:
+        model.set_fused_kernels(False)
+
+
+def _engine(model, kv, device="cpu", calibrate=True, **kw):
+    eng = make_engine_with(model, "triton", kv=kv, device=device, chunked_prefill_size=16, **kw)
+    if calibrate:
+        calibrate_pool(model, TextTokenizer(), eng.pool, model.arch)
+    return eng
+
+
+@contextlib.contextmanager
+def count_fused():
+    """Counts ``TritonAttentionBackend.forward_fused`` calls as [fused, declined], graph
+    captures included (a replayed step calls nothing in Python)."""
+    counts = [0, 0]
+    orig = TritonAttentionBackend.forward_fused
+
+    def spy(self, layer, inp, meta):
+        out = orig(self, layer, inp, meta)
+        counts[out is None] += 1
+        return out
+    TritonAttentionBackend.forward_fused = spy
+    try:
+        yield counts
+    finally:
+        TritonAttentionBackend.forward_fused = orig
+
+
+def _compare(model, kv, tol, device="cpu", **kw):
+    ref = run_scenario(_engine(model, kv, device, **kw), mixed_arrivals())
+    with fused(model, True), count_fused() as counts:
+        got = run_scenario(_engine(model, kv, device, **kw), mixed_arrivals())
+    assert got[2] == ref[2] == {"prefill", "extend", "decode", "mixed"}
+    assert counts[0] > 0 and counts[1] > 0, counts     # decode steps fused, mixed ones not
+    assert got[1] == ref[1]
+    worst = max(float((g - r).abs().max()) for g, r in zip(got[0], ref[0]))
+    assert worst <= tol, worst
+    return worst
+
+
+@pytest.fixture(scope="module")
+def model64():
+    return tiny_model(tiny_arch("qwen3", head_dim=64), torch.float32)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter run (CPU only)")
+def test_fused_matches_unfused_bf16_recipe(model64):
+    """BF16 elements with the calibrated recipe: only float32 rounding differs."""
+    _compare(model64, BF16_RECIPE, 1e-3)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter run (CPU only)")
+def test_fused_matches_unfused_nvfp4(model64):
+    """The default NVFP4 recipe: a K code may flip where fp32 rounding moves a value across
+    a boundary; measured identical here."""
+    _compare(model64, "nvfp4", 2e-2)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter run (CPU only)")
+def test_fused_on_the_static_graph_path(model64):
+    """The decode graphs' static buffers (run eagerly on CPU): padded rows, slot -1."""
+    _compare(model64, "nvfp4", 2e-2, graph_max_bs=4)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter run (CPU only)")
+def test_fused_declines_fp8_fresh_kv(model64):
+    with fused(model64, True), count_fused() as counts:
+        run_scenario(_engine(model64, "fp8_e4m3", calibrate=False, prefill_kv_dtype="fp8_e4m3"),
+                     {0: mixed_arrivals()[0]})
+    assert counts[0] == 0 and counts[1] > 0
+
+
+def test_flag_turns_the_backend_path_off(model64):
+    eng = make_engine_with(model64, "triton", kv="bf16")
+    backend = eng.runner.backend
+    assert backend.fused
+    off = TritonAttentionBackend(eng.pool, model64.arch.sm_scale,
+                                 device_cfg=DeviceConfig(disable_fused_kernels=True))
+    assert not off.fused
+
+
+def test_gemma_keeps_its_torch_layers():
+    from nibble.services.models.gemma3 import Gemma3CausalLM
+    model = Gemma3CausalLM(tiny_arch("gemma3", qk_norm=True))
+    model.set_fused_kernels(True)
+    assert not model.fused_kernels
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_fused_matches_unfused_on_gpu_with_graphs(head_dim):
+    """bf16 model, decode replayed from CUDA graphs captured after calibration (their recipe
+    parameters must already be on the device); head_dim 128 decodes with the CUDA kernel,
+    64 with Triton's."""
+    model = tiny_model(tiny_arch("qwen3", head_dim=head_dim, num_heads=8, num_kv_heads=2),
+                       torch.bfloat16).cuda()
+    for kv in ("nvfp4", "fp8_e4m3"):
+        _compare(model, kv, 0.15, device="cuda", graph_max_bs=8, use_graphs=True)
