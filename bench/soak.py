@@ -242,11 +242,16 @@ def leak_check(base: dict[str, Any], end: dict[str, Any]) -> dict[str, Any]:
 
 
 def busy(info: dict[str, Any]) -> int:
-    """Requests running or queued, colocated or summed over disaggregated workers."""
+    """Requests running or queued, plus L1 pages that tier backups still pin (they come back
+    when the backup lands, so a snapshot before that would count them as leaked); colocated
+    or summed over disaggregated workers."""
+    def pinned(stats: dict[str, Any]) -> int:
+        return int((stats.get("tiers") or {}).get("backup_pinned_pages", 0))
     if "workers" in info:
-        return sum(int(w.get("num_running", 0)) + int(w.get("num_queued", 0))
+        return sum(int(w.get("num_running", 0)) + int(w.get("num_queued", 0)) + pinned(w)
                    for w in info["workers"].values())
-    return int(info.get("running_requests", 0)) + int(info.get("queued_requests", 0))
+    return (int(info.get("running_requests", 0)) + int(info.get("queued_requests", 0))
+            + pinned(info.get("stats") or {}))
 
 
 def pages_in_use(info: dict[str, Any]) -> int:

@@ -345,6 +345,7 @@ class TierManager:
             "l2_pages": len(self.host) if self.host is not None else 0,
             "l2_capacity_pages": self.host.num_pages if self.host is not None else 0,
             "l2_evictions": self.host.evictions if self.host is not None else 0,
+            "backup_pinned_pages": len(self.pinned_pages()),   # L1 pages in-flight backups hold
             "l3_state": health.state if health is not None else "absent",
             "l3_bytes_per_s": self.worker.l3_bytes_s, "prefill_tok_per_s": self.prefill_tok_s,
             "write_policy": self.policy.write_policy, "prefetch_policy": self.policy.prefetch_policy,

@@ -53,6 +53,20 @@ def test_leak_check_flags_pages_rss_and_fds():
     assert not (bad["pages_returned"] or bad["rss_returned"] or bad["fds_returned"])
 
 
+def test_pages_that_tier_backups_pin_keep_the_server_busy():
+    """The idle snapshot waits for in-flight backups: their pinned pages are not leaks."""
+    idle = {"running_requests": 0, "queued_requests": 0,
+            "stats": {"tiers": {"backup_pinned_pages": 0}}}
+    pinned = {"running_requests": 0, "queued_requests": 0,
+              "stats": {"tiers": {"backup_pinned_pages": 2}}}
+    workers = {"workers": {"d": {"num_running": 0, "num_queued": 0,
+                                 "tiers": {"backup_pinned_pages": 1}},
+                           "p": {"num_running": 0, "num_queued": 0, "tiers": None}}}
+    assert soak.busy(idle) == 0
+    assert soak.busy(pinned) == 2
+    assert soak.busy(workers) == 1
+
+
 def test_fault_plan_follows_the_setup():
     args = soak.parse_args(["--l3", "redis", "--disaggregate"])
     assert [f for _, f in soak.fault_plan(args)] == [
