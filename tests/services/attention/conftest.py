@@ -68,8 +68,8 @@ def run_scenario(engine, arrivals: dict[int, list[GenerateRequest]]
     """
     seen: list[torch.Tensor] = []
     paths: set[str] = set()
-    model, backend = engine.runner.model, engine.runner.backend
-    orig = model.compute_logits
+    runner, backend = engine.runner, engine.runner.backend
+    orig = runner._sample           # sees the logits of every step, CUDA-graph replays too
     orig_plan = backend.plan
 
     def plan(meta):
@@ -77,12 +77,11 @@ def run_scenario(engine, arrivals: dict[int, list[GenerateRequest]]
         paths.update(kinds | ({"mixed"} if "decode" in kinds and len(kinds) > 1 else set()))
         orig_plan(meta)
 
-    def hook(h):
-        out = orig(h)
-        seen.append(out.detach().float().cpu())
-        return out
+    def hook(picked, logits):
+        seen.append(logits.detach().float().cpu())
+        return orig(picked, logits)
 
-    model.compute_logits, backend.plan = hook, plan
+    runner.__dict__["_sample"], backend.plan = hook, plan
     tokens: dict[str, list[int]] = {}
     step = 0
     try:
@@ -93,8 +92,7 @@ def run_scenario(engine, arrivals: dict[int, list[GenerateRequest]]
                 tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
             step += 1
     finally:
-        model.compute_logits = orig
-        del backend.plan
+        del runner.__dict__["_sample"], backend.plan
     assert engine.pool.allocator.num_free == engine.pool.num_pages, "pages leaked"
     return seen, tokens, paths
 

@@ -58,15 +58,34 @@ def count_fused():
         TritonAttentionBackend.forward_fused = orig
 
 
-def _compare(model, kv, tol, device="cpu", **kw):
+def _compare(model, kv, tol, device="cpu", near_ties=False, **kw):
+    """Runs the scenario unfused and fused; every sampled step's logits agree within ``tol``.
+
+    ``near_ties``: a greedy token may differ only at a step where the reference's top-2
+    logit margin is below ``2 * tol`` (a near tie that rounding may flip: bf16 rounding
+    before an NVFP4 store can flip a code, about 1/6 of a block's range); the sequences
+    diverge after it, so the comparison stops there. Without it tokens must be identical.
+    """
     ref = run_scenario(_engine(model, kv, device, **kw), mixed_arrivals())
     with fused(model, True), count_fused() as counts:
         got = run_scenario(_engine(model, kv, device, **kw), mixed_arrivals())
     assert got[2] == ref[2] == {"prefill", "extend", "decode", "mixed"}
     assert counts[0] > 0 and counts[1] > 0, counts     # decode steps fused, mixed ones not
-    assert got[1] == ref[1]
-    worst = max(float((g - r).abs().max()) for g, r in zip(got[0], ref[0]))
-    assert worst <= tol, worst
+    worst, flipped = 0.0, False
+    for g, r in zip(got[0], ref[0]):
+        assert g.shape == r.shape
+        worst = max(worst, float((g - r).abs().max()))
+        assert worst <= tol, worst
+        differs = g.argmax(-1) != r.argmax(-1)
+        if differs.any():
+            assert near_ties, "greedy token flipped"
+            top2 = r[differs].topk(2, dim=-1).values
+            margin = float((top2[:, 0] - top2[:, 1]).max())
+            assert margin <= 2 * tol, f"token flipped at a margin of {margin}"
+            flipped = True
+            break
+    if not flipped:
+        assert got[1] == ref[1]
     return worst
 
 
@@ -127,4 +146,8 @@ def test_fused_matches_unfused_on_gpu_with_graphs(head_dim):
     model = tiny_model(tiny_arch("qwen3", head_dim=head_dim, num_heads=8, num_kv_heads=2),
                        torch.bfloat16).cuda()
     for kv in ("nvfp4", "fp8_e4m3"):
-        _compare(model, kv, 0.15, device="cuda", graph_max_bs=8, use_graphs=True)
+        # fused QKV rounds K once (fp32 -> code), unfused rounds to bf16 first: near a code
+        # boundary that flips an NVFP4 code, a step of ~1/6 of the block's range, so NVFP4
+        # logits move by up to ~0.3 (measured 0.28 at a logit scale of ~4); FP8 by 0.05
+        _compare(model, kv, 0.35 if kv == "nvfp4" else 0.1, device="cuda",
+                 near_ties=kv == "nvfp4", graph_max_bs=8, use_graphs=True)

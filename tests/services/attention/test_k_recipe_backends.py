@@ -135,8 +135,9 @@ def test_triton_on_gpu_with_cuda_graphs_matches_torch(model64):
         runs[name] = run_scenario(eng, mixed_arrivals())
     (ref, ref_tok, _), (got, got_tok, _) = runs["torch"], runs["triton"]
     assert got_tok == ref_tok
+    assert len(got) == len(ref)        # every step, CUDA-graph replays included
     worst = max(float((g - r).abs().max()) for g, r in zip(got, ref))
-    assert worst <= 1e-3, worst
+    assert worst <= 5e-3, worst         # the Triton decode's fp32 tl.dot runs as TF32 on the GPU
 
 
 def _build(tmp_path, kv: str):
