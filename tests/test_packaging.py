@@ -131,3 +131,23 @@ def test_frontends_do_not_import_the_http_gateway(folder):
 def test_the_import_check_sees_relative_imports():
     mods = set(_resolved_imports(ROOT / "services/gateway/app.py"))
     assert "nibble.services.frontend.tracking" in mods and "nibble.services.gateway.auth" in mods
+
+
+def _constructs(path: pathlib.Path, name: str) -> list[int]:
+    """Lines of ``path`` that call ``name(...)`` (a bare or dotted name)."""
+    tree = ast.parse(path.read_text(), str(path))
+    return [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Call) and (
+        (isinstance(node.func, ast.Name) and node.func.id == name)
+        or (isinstance(node.func, ast.Attribute) and node.func.attr == name))]
+
+
+def test_one_builder_constructs_the_engine_core():
+    """The server, the workers, the tests and the benchmarks all get their EngineCore from
+    ``build_engine_core``: no hand-wired copy of the pool/backend/tiers/runner wiring."""
+    allowed = ROOT / "services/engine/builder.py"
+    found = [f"{p.relative_to(ROOT)}:{line}"
+             for folder in (*CODE_FOLDERS, "tests")
+             for p in sorted((ROOT / folder).rglob("*.py")) if p != allowed
+             for line in _constructs(p, "EngineCore")]
+    assert not found, found
+    assert _constructs(allowed, "EngineCore")       # the check sees the one that exists

@@ -22,6 +22,8 @@ import hashlib
 import hmac
 import secrets as _random
 
+from .errors import CacheArgumentError
+
 MIN_SECRET_BYTES = 16
 MAX_SECRET_BYTES = 4096
 PURPOSES = ("page-record", "page-key", "transfer")
@@ -36,8 +38,8 @@ class KVSecret:
     def __init__(self, raw: bytes | str, ephemeral: bool = False):
         raw = raw.encode() if isinstance(raw, str) else bytes(raw)
         if not MIN_SECRET_BYTES <= len(raw) <= MAX_SECRET_BYTES:
-            raise ValueError(f"the KV secret must be {MIN_SECRET_BYTES}..{MAX_SECRET_BYTES} "
-                             f"bytes, got {len(raw)}")
+            raise CacheArgumentError(f"the KV secret must be {MIN_SECRET_BYTES}.."
+                                     f"{MAX_SECRET_BYTES} bytes, got {len(raw)}")
         self._raw = raw
         self.ephemeral = ephemeral      # generated for this process only (nothing survives it)
         self._cache: dict[str, bytes] = {}
@@ -51,7 +53,8 @@ class KVSecret:
     def derive(self, purpose: str) -> bytes:
         """The 32-byte key for ``purpose`` (one of ``PURPOSES``)."""
         if purpose not in PURPOSES:
-            raise ValueError(f"unknown KV secret purpose {purpose!r}; known: {PURPOSES}")
+            raise CacheArgumentError(f"unknown KV secret purpose {purpose!r}; "
+                                     f"known: {PURPOSES}")
         key = self._cache.get(purpose)
         if key is None:
             key = self._cache[purpose] = hmac.new(self._raw, _DOMAIN + purpose.encode(),

@@ -177,7 +177,7 @@ class AsyncEngine:
     def _handle(self, kind: str, payload) -> None:
         if kind == "add":
             try:
-                self.core.add_request(payload)
+                self.core.add_validated(payload)     # validated in generate(), on the loop
             except NibbleError as e:
                 self._deliver(RequestOutput(payload.request_id, [], "", True, FinishReason.ABORT,
                                             self._zero_usage(payload), error=str(e)))

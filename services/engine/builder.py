@@ -1,34 +1,30 @@
-"""Builds the engine's parts from the config tree: model, pool, backend, runner."""
+"""Builds the engine from the config tree: ``build_parts`` loads the model for the server,
+``build_engine_core`` wires pool, backend, radix tree, tiers, graphs and runner around any
+model (the server, the workers, the tests and the benchmarks all build through it)."""
 
 from __future__ import annotations
 
 import logging
 import os
-import shutil
-from dataclasses import dataclass
-from pathlib import Path
-from urllib.parse import urlsplit
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from nibble.kernels import KV_CACHE_FORMATS, PageLayout
 from nibble.tiering import KVPool, pages_for_budget
-from nibble.tiering.host_pool import HostPool
 from nibble.tiering.radix_cache import RadixCache
 from nibble.tiering.secret import KVSecret
-from nibble.tiering.storage import create_storage_backend
-from nibble.tiering.tier_manager import TierManager, TierPolicy
 
 from .. import attention
 from ..attention import ATTENTION_BACKENDS
 from ..attention.calibration import calibrate_pool
-from ..config import CacheConfig, DeviceConfig, HiCacheConfig, NibbleConfig
-from ..credentials import (KV_SECRET_ENV, STORAGE_PASSWORD_ENV, load_kv_secret,
-                           load_storage_password)
+from ..config import CacheConfig, DeviceConfig, NibbleConfig
 from ..errors import ConfigError
-from .engine import EngineCore
 from .cuda_graph import DecodeGraphRunner
+from .engine import EngineCore
 from .model_runner import ModelRunner
+from .tier_setup import build_tiers, load_secret
 
 log = logging.getLogger(__name__)
 
@@ -36,9 +32,19 @@ log = logging.getLogger(__name__)
 DEFAULT_MEM_FRACTION = {"cuda": 0.85, "cpu": 0.10}
 # Kept free for activations beyond weights and KV.
 ACTIVATION_RESERVE_BYTES = {"cuda": 2 << 30, "cpu": 256 << 20}
-# The file backend's budget without --hicache-storage-size: this, or half of what the
-# directory could use (free space + what it holds), whichever is less.
-DEFAULT_STORAGE_BYTES = 16 * 10**9
+
+
+@dataclass(frozen=True)
+class Injected:
+    """What a test or benchmark hands ``build_engine_core`` that no flag describes."""
+
+    storage: Any = None              # an L3 backend instance, instead of the flags' one
+    secret: KVSecret | None = None   # the KV secret, instead of --kv-secret-file's
+    tier_kw: dict = field(default_factory=dict)   # TierPolicy fields (l3_latency_s), clock
+    sliding_windows: tuple | None = None   # the backend's windows (default: the model's)
+    calibrate: bool = True           # calibrate the format's K recipe on the model
+    static_decode_path: bool = False  # CPU: the decode graphs' static buffers, run eagerly
+    use_l1_tiers: bool = True        # False: no tier manager when L2/L3 are off
 
 
 @dataclass
@@ -85,98 +91,6 @@ def plan_num_pages(cfg: CacheConfig, layout: PageLayout, device: torch.device,
     return pages
 
 
-def default_storage_dir() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "nibble", "kv")
-
-
-def _bytes_under(path: Path) -> int:
-    total = 0
-    for root, _, files in os.walk(path):
-        for name in files:
-            try:
-                total += os.lstat(os.path.join(root, name)).st_size
-            except OSError:
-                continue
-    return total
-
-
-def storage_budget(cfg: HiCacheConfig, path: str) -> int:
-    """Bytes the file backend's directory may hold: ``--hicache-storage-size`` GB, else
-    ``DEFAULT_STORAGE_BYTES`` or half of (free disk + what the directory already holds),
-    whichever is less."""
-    if cfg.hicache_storage_size is not None:
-        return max(1, int(cfg.hicache_storage_size * 1e9))
-    probe = Path(path)
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    held = _bytes_under(Path(path)) if Path(path).is_dir() else 0
-    return max(1, min(DEFAULT_STORAGE_BYTES, (shutil.disk_usage(probe).free + held) // 2))
-
-
-def load_secret(cfg: CacheConfig, for_storage: bool) -> KVSecret:
-    """The deployment's KV secret (``--kv-secret-file`` / ``$NIBBLE_KV_SECRET``), else a random
-    one for this process; ``for_storage``: L3 is on, so say what a random one costs."""
-    secret = load_kv_secret(cfg.kv_secret_file)
-    if secret is not None:
-        return secret
-    if for_storage:
-        log.warning("no --kv-secret-file or $%s: using a random KV secret for this process. "
-                    "L3 page records it writes will not verify after a restart or on another "
-                    "replica (they are recomputed); give every replica the same secret to "
-                    "keep and share L3", KV_SECRET_ENV)
-    return KVSecret.generate()
-
-
-def build_storage(cfg: HiCacheConfig):
-    """The L3 backend of --hicache-storage-backend, or None."""
-    if cfg.hicache_storage_backend == "redis":
-        url = cfg.hicache_storage_url or "redis://127.0.0.1:6379/0"
-        try:
-            in_url = urlsplit(url).password
-        except ValueError:
-            in_url = None
-        if in_url:
-            log.warning("the Redis password in --hicache-storage-url is visible to every local "
-                        "user (ps, /proc); use --hicache-storage-password-file or $%s",
-                        STORAGE_PASSWORD_ENV)
-        password = load_storage_password(cfg.hicache_storage_password_file)
-        return create_storage_backend("redis", url, prefix=cfg.hicache_storage_prefix,
-                                      ttl_s=cfg.hicache_storage_ttl,
-                                      **({"password": password} if password else {}))
-    if cfg.hicache_storage_backend == "file":
-        path = cfg.hicache_storage_url or default_storage_dir()
-        budget = storage_budget(cfg, path)
-        log.info("L3 file storage: %s, budget %.2f GB", path, budget / 1e9)
-        return create_storage_backend("file", path, max_bytes=budget)
-    return None
-
-
-def build_tiers(cfg: HiCacheConfig, pool: KVPool, cache: RadixCache, fingerprint: str,
-                secret: KVSecret) -> TierManager | None:
-    """L2 host pool and L3 storage below ``pool``, per --enable-hierarchical-cache.
-
-    Without it the tier manager still runs L1-only: it keys cached pages and
-    publishes KV events, so a router can mirror the cache. ``secret`` keys the
-    content keys and authenticates L3 records.
-    """
-    if not cfg.enable_hierarchical_cache:
-        return TierManager(pool, cache, fingerprint, None, None, secret=secret)
-    layout = pool.layout
-    if cfg.hicache_size is not None:
-        host_pages = int(cfg.hicache_size * 1e9) // layout.page_nbytes
-    else:
-        host_pages = int(pool.num_pages * cfg.hicache_ratio)
-    host = HostPool(layout, max(1, host_pages), pin_memory=pool.device.type == "cuda")
-    storage = build_storage(cfg)
-    policy = TierPolicy(cfg.hicache_write_policy, cfg.hicache_prefetch_policy,
-                        cfg.hicache_prefetch_timeout)
-    log.info("hierarchical cache: L2 %d pages (%.1f MiB host%s), L3 %s, %s, prefetch %s",
-             host.num_pages, host.nbytes / 2**20, ", pinned" if pool.device.type == "cuda" else "",
-             cfg.hicache_storage_backend, cfg.hicache_write_policy, cfg.hicache_prefetch_policy)
-    return TierManager(pool, cache, fingerprint, host, storage, policy, secret=secret)
-
-
 def select_attention_backend(requested: str, layout: PageLayout, device: torch.device,
                              sliding_window: bool = False) -> str:
     """The backend name for --attention-backend ``requested`` (auto|torch|triton).
@@ -212,54 +126,82 @@ def select_attention_backend(requested: str, layout: PageLayout, device: torch.d
 
 
 def build_graph_runner(cfg: DeviceConfig, model, backend, device: torch.device,
-                       context: int, page_size: int) -> DecodeGraphRunner | None:
-    """Captured decode graphs on CUDA with a backend that supports them, else None (eager)."""
-    if device.type != "cuda" or cfg.disable_cuda_graph:
+                       context: int, page_size: int, static_path: bool = False
+                       ) -> DecodeGraphRunner | None:
+    """Captured decode graphs on CUDA with a backend that supports them, else None (eager).
+    ``static_path``: off CUDA, the graphs' static buffers run eagerly (tests of that path)."""
+    use_graphs = device.type == "cuda" and not cfg.disable_cuda_graph
+    if not use_graphs and not static_path:
         return None
     if not backend.supports_cuda_graph:
         log.info("CUDA graphs off: the %s attention backend cannot be captured", backend.name)
         return None
-    graphs = DecodeGraphRunner(model, backend, device, cfg.cuda_graph_max_bs, context, page_size)
+    graphs = DecodeGraphRunner(model, backend, device, cfg.cuda_graph_max_bs, context, page_size,
+                               use_graphs)
     graphs.capture()
     return graphs
 
 
+def build_engine_core(model, tokenizer, cfg: NibbleConfig, *, device: torch.device | None = None,
+                      fingerprint: str = "local", inject: Injected = Injected()) -> EngineCore:
+    """The engine around a loaded ``model`` (its ``arch``; on ``device``, default CPU).
+
+    The pool's format, page size and size come from ``cfg.cache`` (``max_total_tokens``,
+    else ``--mem-fraction-static`` of the device less the weights); the attention backend,
+    decode graphs and kernels from ``cfg.device``; the tiers from ``cfg.hicache``; the
+    scheduler from ``cfg.scheduler``; the context from ``cfg.model.context_length``.
+    ``fingerprint`` names the weights in the tiers' content keys.
+    """
+    device = device or torch.device("cpu")
+    arch = model.arch
+    kv_format = "bf16" if cfg.cache.kv_cache_dtype == "auto" else cfg.cache.kv_cache_dtype
+    layout = PageLayout(kv_format, arch.num_layers, arch.num_kv_heads, arch.head_dim,
+                        cfg.cache.page_size)
+    windows = arch.sliding_windows if inject.sliding_windows is None else inject.sliding_windows
+    backend_name = select_attention_backend(cfg.device.attention_backend, layout, device,
+                                            any(w for w in windows or ()))
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    pool = KVPool(layout, plan_num_pages(cfg.cache, layout, device, weight_bytes), device)
+    context = min(cfg.model.context_length or arch.max_position_embeddings,
+                  arch.max_position_embeddings)
+    if inject.calibrate:      # the format's K recipe, if any, over the context to serve
+        calibrate_pool(model, tokenizer, pool, arch, context)
+    # Fused Triton layer kernels on CUDA: after calibration (which runs the torch ops),
+    # before the decode graphs are captured.
+    model.set_fused_kernels(device.type == "cuda" and not cfg.device.disable_fused_kernels)
+    backend = ATTENTION_BACKENDS[backend_name](pool, arch.sm_scale, cfg.cache.prefill_kv_dtype,
+                                               device_cfg=cfg.device)
+    backend.set_sliding_windows(windows)
+    cache = None if cfg.cache.disable_radix_cache else RadixCache(layout.page_size, pool)
+    tiers = None
+    if cache is not None and (inject.use_l1_tiers or cfg.hicache.enable_hierarchical_cache):
+        storage_on = cfg.hicache.enable_hierarchical_cache and (
+            inject.storage is not None or cfg.hicache.hicache_storage_backend != "none")
+        secret = inject.secret or load_secret(cfg.cache, storage_on)
+        tiers = build_tiers(cfg.hicache, pool, cache, fingerprint, secret, inject.storage,
+                            **inject.tier_kw)
+    graphs = build_graph_runner(cfg.device, model, backend, device, context, layout.page_size,
+                                inject.static_decode_path)
+    return EngineCore(ModelRunner(model, backend, device, graphs), pool, tokenizer,
+                      cfg.scheduler, context, cache, tiers)
+
+
 def build_parts(cfg: NibbleConfig) -> EngineParts:
+    """The server's engine: the model of ``cfg.model`` loaded, then ``build_engine_core``."""
     from ..models.loader import load_model  # heavy import, deferred
 
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.model.dtype, device)
     loaded = load_model(cfg.model.model_path, dtype, device, cfg.model.load_format)
-    arch = loaded.arch
-    kv_format = "bf16" if cfg.cache.kv_cache_dtype == "auto" else cfg.cache.kv_cache_dtype
-    geometry = dict(num_layers=arch.num_layers, num_kv_heads=arch.num_kv_heads,
-                    head_dim=arch.head_dim, page_size=cfg.cache.page_size)
-    layout = PageLayout(kv_format, **geometry)
-    backend_name = select_attention_backend(cfg.device.attention_backend, layout, device,
-                                            arch.has_sliding_window)
+    core = build_engine_core(loaded.model, loaded.tokenizer, cfg, device=device,
+                             fingerprint=loaded.fingerprint)
+    backend_name = core.runner.backend.name
     log.info("attention backend: %s", backend_name)
-    weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
-    pool = KVPool(layout, plan_num_pages(cfg.cache, layout, device, weight_bytes), device)
-    # The format's K recipe, if any: calibrated over the context the engine will serve.
-    calibrate_pool(loaded.model, loaded.tokenizer, pool, arch, cfg.model.context_length)
-    # Fused Triton layer kernels on CUDA (after calibration, which stays on the torch ops).
-    loaded.model.set_fused_kernels(device.type == "cuda" and not cfg.device.disable_fused_kernels)
+    arch, layout = loaded.arch, core.pool.layout
+    geometry = dict(num_layers=arch.num_layers, num_kv_heads=arch.num_kv_heads,
+                    head_dim=arch.head_dim, page_size=layout.page_size)
     per_format = {name: PageLayout(name, **geometry).bytes_per_token for name in KV_CACHE_FORMATS}
-    backend = ATTENTION_BACKENDS[backend_name](pool, arch.sm_scale, cfg.cache.prefill_kv_dtype,
-                                               device_cfg=cfg.device)
-    backend.set_sliding_windows(arch.sliding_windows)
-    context = min(cfg.model.context_length or arch.max_position_embeddings,
-                  arch.max_position_embeddings)
-    cache = None if cfg.cache.disable_radix_cache else RadixCache(layout.page_size, pool)
-    storage_on = cfg.hicache.enable_hierarchical_cache and \
-        cfg.hicache.hicache_storage_backend != "none"
-    tiers = None if cache is None else build_tiers(
-        cfg.hicache, pool, cache, loaded.fingerprint, load_secret(cfg.cache, storage_on))
-    graphs = build_graph_runner(cfg.device, loaded.model, backend, device, context,
-                                layout.page_size)
-    core = EngineCore(ModelRunner(loaded.model, backend, device, graphs), pool, loaded.tokenizer,
-                      cfg.scheduler, context, cache, tiers)
-    cap = pool.capacity()
+    cap = core.pool.capacity()
     log.info("KV pool: %s, %d pages x %d tokens = %d tokens, %.0f bytes/token, %.1f MiB",
              cap.kv_format, cap.num_pages, cap.page_size, cap.max_tokens, cap.bytes_per_token,
              cap.pool_bytes / 2**20)

@@ -27,6 +27,7 @@ import torch
 
 from ..attention import AttentionBackend
 from ..errors import ConfigError
+from .step_inputs import kv_slots, padded_block_tables
 from .types import ScheduledSeq
 
 log = logging.getLogger(__name__)
@@ -150,16 +151,13 @@ class DecodeGraphRunner:
     def _fill(self, seqs: list[ScheduledSeq], page_size: int, b: int) -> None:
         """Copy the step into the static buffers (one H2D copy each) and pad to ``b`` rows."""
         n = len(seqs)
-        width = max(len(s.block_table) for s in seqs)
-        table = torch.zeros((n, width), dtype=torch.int32)
-        for i, s in enumerate(seqs):
-            table[i, :len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
+        table = padded_block_tables(seqs)
+        width = table.shape[1]
         pos = torch.tensor([s.start_pos for s in seqs], dtype=torch.int64)
-        page = table[torch.arange(n), pos // page_size].long()
         buf = self.buf
         buf.input_ids[:n].copy_(torch.tensor([s.token_ids[0] for s in seqs]), non_blocking=True)
         buf.positions[:n].copy_(pos, non_blocking=True)
-        buf.slots[:n].copy_(page * page_size + pos % page_size, non_blocking=True)
+        buf.slots[:n].copy_(kv_slots(table, torch.arange(n), pos, page_size), non_blocking=True)
         buf.seq_lens[:n].copy_((pos + 1).to(torch.int32), non_blocking=True)
         buf.block_tables[:n, :width].copy_(table, non_blocking=True)
         if b > n:

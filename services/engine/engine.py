@@ -99,8 +99,7 @@ class EngineCore:
         n, m = len(req.prompt_token_ids), req.sampling.max_tokens
         if n == 0:
             raise InvalidRequestError("the prompt is empty", param="prompt")
-        if m < 1:
-            raise InvalidRequestError(f"max_tokens must be >= 1, got {m}", param="max_tokens")
+        req.sampling.check()
         vocab = getattr(self.tokenizer, "vocab_size", None)
         if vocab and any(not 0 <= t < vocab for t in req.prompt_token_ids):
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
@@ -114,7 +113,17 @@ class EngineCore:
             raise InvalidRequestError(f"duplicate request id {req.request_id}")
 
     def add_request(self, req: GenerateRequest) -> None:
+        """Validate ``req`` and queue it (callers that drive the core directly)."""
         self.validate(req)
+        self.register(req)
+
+    def add_validated(self, req: GenerateRequest) -> None:
+        """Queue ``req``, which the engine client validated when it entered (``validate``);
+        only the duplicate id, which depends on what is running now, is checked here."""
+        assert req.prompt_token_ids and len(req.prompt_token_ids) + req.sampling.max_tokens \
+            <= self.max_request_tokens, "add_validated: the request was not validated"
+        if req.request_id in self._seqs:
+            raise InvalidRequestError(f"duplicate request id {req.request_id}")
         self.register(req)
 
     def register(self, req: GenerateRequest, queue: bool = True) -> Sequence:

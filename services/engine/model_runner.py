@@ -7,6 +7,7 @@ import torch
 from ..attention import AttentionBackend, AttentionMetadata
 from .cuda_graph import DecodeGraphRunner
 from .sampling import make_generator, sample
+from .step_inputs import kv_slots, padded_block_tables, positions_of
 from .types import ScheduledBatch, ScheduledSeq, WorkerOutput
 
 
@@ -33,20 +34,18 @@ class ModelRunner:
         """Forget a finished request's RNG."""
         self._generators.pop(request_id, None)
 
-    def _metadata(self, seqs: list[ScheduledSeq], page_size: int) -> AttentionMetadata:
-        starts, lens, cached, slots = [], [], [], []
-        pos = 0
-        width = max(len(s.block_table) for s in seqs)
-        tables = torch.zeros((len(seqs), width), dtype=torch.int32)
-        for i, s in enumerate(seqs):
-            starts.append(pos)
+    def _metadata(self, seqs: list[ScheduledSeq], page_size: int, pos: torch.Tensor,
+                  rows: torch.Tensor) -> AttentionMetadata:
+        starts, lens, cached = [], [], []
+        at = 0
+        for s in seqs:
+            starts.append(at)
             lens.append(len(s.token_ids))
             cached.append(s.num_cached)
-            pos += len(s.token_ids)
-            tables[i, :len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
-            p = torch.arange(s.start_pos, s.start_pos + len(s.token_ids))
-            slots.append(tables[i, p // page_size].long() * page_size + p % page_size)
-        return AttentionMetadata(starts, lens, cached, torch.cat(slots), tables)
+            at += len(s.token_ids)
+        tables = padded_block_tables(seqs)
+        return AttentionMetadata(starts, lens, cached, kv_slots(tables, rows, pos, page_size),
+                                 tables)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, page_size: int) -> WorkerOutput:
@@ -66,9 +65,9 @@ class ModelRunner:
         """Eager forward of the step; logits ``[N, vocab]`` float32 of the sampled rows."""
         ids = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.long,
                            device=self.device)
-        positions = torch.cat([torch.arange(s.start_pos, s.start_pos + len(s.token_ids))
-                               for s in seqs]).to(self.device)
-        meta = self._metadata(seqs, page_size)
+        pos, token_rows = positions_of(seqs)
+        positions = pos.to(self.device)
+        meta = self._metadata(seqs, page_size, pos, token_rows)
         self.backend.plan(meta)
         hidden = self.model(ids, positions, self.backend.bind(meta))
         if rows is None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import torch
 
 from nibble.services.engine.types import SamplingParams
-from nibble.services.errors import InvalidRequestError
 
 _MIN_TEMPERATURE = 1e-6
 
@@ -28,15 +27,6 @@ def make_generator(seed: int | None, device: torch.device | str) -> torch.Genera
     return gen
 
 
-def _validate(params: SamplingParams) -> None:
-    if params.temperature < 0.0:
-        raise InvalidRequestError("temperature must be >= 0", param="temperature")
-    if not 0.0 < params.top_p <= 1.0:
-        raise InvalidRequestError("top_p must be in (0, 1]", param="top_p")
-    if params.top_k == 0 or params.top_k < -1:
-        raise InvalidRequestError("top_k must be -1 (off) or >= 1", param="top_k")
-
-
 def sample(
     logits: torch.Tensor,
     params: list[SamplingParams],
@@ -47,15 +37,14 @@ def sample(
     logits: [B, V] float (float32 expected), one row per sequence, any device.
     params, generators: length B; ``generators[i]`` (or the default RNG when
     None) draws row i's randomness and is advanced by one draw per sampled row.
-    Returns a [B] int64 tensor of token ids on ``logits.device``.
+    Returns a [B] int64 tensor of token ids on ``logits.device``. The params were
+    checked when their requests entered the engine (``SamplingParams.check``).
     """
     if logits.dim() != 2:
         raise ValueError(f"logits must be [B, V], got shape {tuple(logits.shape)}")
     batch = logits.shape[0]
     if len(params) != batch or len(generators) != batch:
         raise ValueError(f"{batch} logit rows but {len(params)} params, {len(generators)} generators")
-    for p in params:
-        _validate(p)
 
     out = torch.argmax(logits, dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]

@@ -29,6 +29,20 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
 
+    def check(self) -> None:
+        """Raise InvalidRequestError for controls no sampler accepts (checked once, when the
+        request enters the engine; the sampler trusts them)."""
+        from ..errors import InvalidRequestError   # types.py stays import-light
+        if self.max_tokens < 1:
+            raise InvalidRequestError(f"max_tokens must be >= 1, got {self.max_tokens}",
+                                      param="max_tokens")
+        if self.temperature < 0.0:
+            raise InvalidRequestError("temperature must be >= 0", param="temperature")
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequestError("top_p must be in (0, 1]", param="top_p")
+        if self.top_k == 0 or self.top_k < -1:
+            raise InvalidRequestError("top_k must be -1 (off) or >= 1", param="top_k")
+
 
 class FinishReason(str, enum.Enum):
     STOP = "stop"        # EOS, stop token or stop string

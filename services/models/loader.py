@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ModelLoadError
+from .files import read_json
 from . import dummy, gguf_file
 from .config import ModelArchConfig
 from .gemma3 import Gemma3CausalLM
@@ -102,17 +103,17 @@ def load_tokenizer(model_path: str | None, load_format: str = "auto") -> Tokeniz
     """Only the tokenizer and chat template of a checkpoint (no weights are read)."""
     path = resolve_model_path(model_path)
     if load_format == "dummy":
-        arch = ModelArchConfig.from_hf_config(_read_json(os.path.join(path, "config.json")))
+        arch = ModelArchConfig.from_hf_config(read_json(os.path.join(path, "config.json")))
         if not os.path.isfile(os.path.join(path, "tokenizer.json")):
             return dummy.numeric_tokenizer(arch.vocab_size, arch.eos_token_ids)
     if os.path.isfile(path) and path.lower().endswith(".gguf"):
         f = gguf_file.GGUFFile(path)
         arch = ModelArchConfig.from_gguf_metadata(f.metadata, {t.name for t in f.tensors})
         return Tokenizer.from_gguf_metadata(f.metadata, arch.eos_token_ids)
-    gen = _read_json(os.path.join(path, "generation_config.json"))
+    gen = read_json(os.path.join(path, "generation_config.json"))
     gen_eos = gen.get("eos_token_id")
     extra_eos = [] if gen_eos is None else gen_eos if isinstance(gen_eos, list) else [gen_eos]
-    arch = ModelArchConfig.from_hf_config(_read_json(os.path.join(path, "config.json")), extra_eos)
+    arch = ModelArchConfig.from_hf_config(read_json(os.path.join(path, "config.json")), extra_eos)
     return Tokenizer.from_hf_dir(path, arch.eos_token_ids)
 
 
@@ -136,7 +137,7 @@ def load_model(model_path: str | None, dtype: torch.dtype, device: torch.device,
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise ModelLoadError(f"--load-format dummy needs a directory with config.json, "
                                  f"got {path!r}")
-        arch = ModelArchConfig.from_hf_config(_read_json(os.path.join(path, "config.json")))
+        arch = ModelArchConfig.from_hf_config(read_json(os.path.join(path, "config.json")))
         model = new_model(arch, dtype, device)
         tok = dummy.load_dummy(path, model, arch)
         name = os.path.basename(os.path.normpath(path))
@@ -177,10 +178,10 @@ def _load_hf_dir(path: str, dtype: torch.dtype, device: torch.device):
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         raise ModelLoadError(f"{path} has no config.json")
-    gen = _read_json(os.path.join(path, "generation_config.json"))
+    gen = read_json(os.path.join(path, "generation_config.json"))
     gen_eos = gen.get("eos_token_id")
     extra_eos = [] if gen_eos is None else gen_eos if isinstance(gen_eos, list) else [gen_eos]
-    arch = ModelArchConfig.from_hf_config(_read_json(cfg_path), extra_eos)
+    arch = ModelArchConfig.from_hf_config(read_json(cfg_path), extra_eos)
     model = new_model(arch, dtype, device)
     model.load_weights(_iter_safetensors(path))
     model.finish_loading()
@@ -190,7 +191,7 @@ def _load_hf_dir(path: str, dtype: torch.dtype, device: torch.device):
 def _safetensors_files(path: str) -> list[str]:
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
-        weight_map = _read_json(index).get("weight_map") or {}
+        weight_map = read_json(index).get("weight_map") or {}
         files = sorted({os.path.join(path, f) for f in weight_map.values()})
         missing = [f for f in files if not os.path.isfile(f)]
         if missing:
@@ -212,16 +213,6 @@ def _iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
                     yield key, f.get_tensor(key)
         except (SafetensorError, OSError) as e:
             raise ModelLoadError(f"cannot read {file}: {e}") from e
-
-
-def _read_json(path: str) -> dict:
-    if not os.path.isfile(path):
-        return {}
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise ModelLoadError(f"cannot parse {path}: {e}") from e
 
 
 _SAMPLE_ELEMS = 4096

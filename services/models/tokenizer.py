@@ -18,6 +18,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, proc
 from tokenizers import Tokenizer as HFTokenizer
 
 from ..errors import ModelLoadError
+from .files import read_json
 from .chat_template import ChatTemplate, pick_template
 from .gguf_spm import spm_from_gguf
 
@@ -91,7 +92,7 @@ class Tokenizer:
             backend = HFTokenizer.from_file(tj)
         except Exception as e:  # the Rust side raises plain Exception subclasses
             raise ModelLoadError(f"cannot parse {tj}: {e}") from e
-        cfg = _read_json(os.path.join(path, "tokenizer_config.json"))
+        cfg = read_json(os.path.join(path, "tokenizer_config.json"))
         template = pick_template(cfg.get("chat_template"))
         jinja_file = os.path.join(path, "chat_template.jinja")
         if template is None and os.path.isfile(jinja_file):
@@ -159,16 +160,6 @@ def _pre_tokenizer(pre: str):
     if pre not in ("gpt-2", "gpt2", "default"):
         log.warning("unknown GGUF pre-tokenizer %r; using GPT-2 splitting", pre)
     return byte_level
-
-
-def _read_json(path: str) -> dict:
-    if not os.path.isfile(path):
-        return {}
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise ModelLoadError(f"cannot parse {path}: {e}") from e
 
 
 def _token_str(v: Any) -> str | None:

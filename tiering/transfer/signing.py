@@ -25,6 +25,8 @@ import hmac
 import json
 from typing import Protocol, Sequence, TypeVar
 
+from .errors import TransferArgumentError
+
 MIN_SECRET_BYTES = 16
 _TICKET_DOMAIN = "nibble-kv-ticket-v1"
 _BLOB_DOMAIN = b"nibble-kv-blob-v1\0"
@@ -45,7 +47,8 @@ def as_secret(secret: bytes | str) -> bytes:
     """The secret as bytes; raises ValueError when shorter than MIN_SECRET_BYTES."""
     raw = secret.encode() if isinstance(secret, str) else bytes(secret)
     if len(raw) < MIN_SECRET_BYTES:
-        raise ValueError(f"the transfer secret must be at least {MIN_SECRET_BYTES} bytes")
+        raise TransferArgumentError(
+            f"the transfer secret must be at least {MIN_SECRET_BYTES} bytes")
     return raw
 
 

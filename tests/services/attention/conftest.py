@@ -10,16 +10,12 @@ import pytest
 import torch
 
 from nibble.kernels import PageLayout
-from nibble.services.attention import ATTENTION_BACKENDS
-from nibble.services.config import SchedulerConfig
-from nibble.services.engine.cuda_graph import DecodeGraphRunner
+from nibble.services.config import DeviceConfig
+from nibble.services.engine.builder import Injected, build_engine_core
 from nibble.services.engine.engine import EngineCore
-from nibble.services.engine.model_runner import ModelRunner
 from nibble.services.engine.types import GenerateRequest, SamplingParams
-from nibble.tiering import KVPool
-from nibble.tiering.radix_cache import RadixCache
 
-from ..engine.conftest import CharTokenizer, tiny_arch, tiny_model
+from ..engine.conftest import CharTokenizer, engine_config, tiny_arch, tiny_model
 
 __all__ = ["make_engine_with", "mixed_arrivals", "run_scenario", "tiny_arch", "tiny_model"]
 
@@ -27,25 +23,21 @@ __all__ = ["make_engine_with", "mixed_arrivals", "run_scenario", "tiny_arch", "t
 def make_engine_with(model, backend: str, kv: str = "bf16", device: str = "cpu",
                      num_pages: int = 64, page_size: int = 16, prefill_kv_dtype: str = "auto",
                      graph_max_bs: int | None = None, use_graphs: bool = False,
-                     **sched) -> EngineCore:
-    """A real EngineCore with the named attention backend; pool and runner on ``device``.
+                     disable_fused_kernels: bool = True, **sched) -> EngineCore:
+    """A real EngineCore (through the server's builder) with the named attention backend;
+    pool and runner on ``device``; no tier manager, the K recipe left to the test; the
+    model's fused layer kernels off unless ``disable_fused_kernels=False`` (on CUDA).
 
     ``graph_max_bs`` adds a DecodeGraphRunner (real CUDA graphs with ``use_graphs``,
     else its eager static-buffer path)."""
-    a = model.arch
-    layout = PageLayout(kv, a.num_layers, a.num_kv_heads, a.head_dim, page_size)
-    pool = KVPool(layout, num_pages, device)
-    backend_obj = ATTENTION_BACKENDS[backend](pool, a.sm_scale, prefill_kv_dtype)
-    cfg = SchedulerConfig(**{"max_running_requests": 8, "chunked_prefill_size": 512,
-                             "max_prefill_tokens": 2048, **sched})
-    graphs = None
-    if graph_max_bs is not None:
-        graphs = DecodeGraphRunner(model, backend_obj, torch.device(device), graph_max_bs,
-                                   a.max_position_embeddings, page_size, use_graphs)
-        graphs.capture()
-    return EngineCore(ModelRunner(model, backend_obj, torch.device(device), graphs), pool,
-                      CharTokenizer(), cfg, a.max_position_embeddings,
-                      RadixCache(page_size, pool))
+    dev = DeviceConfig(device=device, attention_backend=backend,
+                       disable_cuda_graph=not use_graphs, cuda_graph_max_bs=graph_max_bs or 1,
+                       disable_fused_kernels=disable_fused_kernels)
+    cfg = engine_config(kv, num_pages, page_size, prefill_kv_dtype, device=dev, **sched)
+    inject = Injected(calibrate=False, use_l1_tiers=False,
+                      static_decode_path=graph_max_bs is not None)
+    return build_engine_core(model, CharTokenizer(), cfg, device=torch.device(device),
+                             inject=inject)
 
 
 def greedy(rid: str, prompt: list[int], n: int) -> GenerateRequest:

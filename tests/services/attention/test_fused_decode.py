@@ -66,9 +66,11 @@ def _compare(model, kv, tol, device="cpu", near_ties=False, **kw):
     before an NVFP4 store can flip a code, about 1/6 of a block's range); the sequences
     diverge after it, so the comparison stops there. Without it tokens must be identical.
     """
-    ref = run_scenario(_engine(model, kv, device, **kw), mixed_arrivals())
+    ref = run_scenario(_engine(model, kv, device, disable_fused_kernels=True, **kw),
+                       mixed_arrivals())
+    eng = _engine(model, kv, device, disable_fused_kernels=False, **kw)   # fused on CUDA
     with fused(model, True), count_fused() as counts:
-        got = run_scenario(_engine(model, kv, device, **kw), mixed_arrivals())
+        got = run_scenario(eng, mixed_arrivals())
     assert got[2] == ref[2] == {"prefill", "extend", "decode", "mixed"}
     assert counts[0] > 0 and counts[1] > 0, counts     # decode steps fused, mixed ones not
     worst, flipped = 0.0, False
@@ -115,14 +117,15 @@ def test_fused_on_the_static_graph_path(model64):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter run (CPU only)")
 def test_fused_declines_fp8_fresh_kv(model64):
+    eng = _engine(model64, "fp8_e4m3", calibrate=False, prefill_kv_dtype="fp8_e4m3",
+                  disable_fused_kernels=False)
     with fused(model64, True), count_fused() as counts:
-        run_scenario(_engine(model64, "fp8_e4m3", calibrate=False, prefill_kv_dtype="fp8_e4m3"),
-                     {0: mixed_arrivals()[0]})
+        run_scenario(eng, {0: mixed_arrivals()[0]})
     assert counts[0] == 0 and counts[1] > 0
 
 
 def test_flag_turns_the_backend_path_off(model64):
-    eng = make_engine_with(model64, "triton", kv="bf16")
+    eng = make_engine_with(model64, "triton", kv="bf16", disable_fused_kernels=False)
     backend = eng.runner.backend
     assert backend.fused
     off = TritonAttentionBackend(eng.pool, model64.arch.sm_scale,

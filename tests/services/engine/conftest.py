@@ -5,15 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nibble.kernels import PageLayout
-from nibble.services.attention import TorchAttentionBackend
-from nibble.services.config import SchedulerConfig
+from nibble.services.config import (CacheConfig, DeviceConfig, HiCacheConfig, ModelConfig,
+                                    NibbleConfig, SchedulerConfig)
+from nibble.services.engine.builder import Injected, build_engine_core
 from nibble.services.engine.engine import EngineCore
-from nibble.services.engine.model_runner import ModelRunner
 from nibble.services.models.config import ModelArchConfig
 from nibble.services.models.llama import CausalLM
-from nibble.tiering import KVPool
-from nibble.tiering.radix_cache import RadixCache
 
 VOCAB = 96
 
@@ -55,17 +52,38 @@ def tiny_model(arch: ModelArchConfig, dtype=torch.float32, seed=0) -> CausalLM:
     return model
 
 
+def engine_config(kv="bf16", num_pages=64, page_size=16, prefill_kv_dtype="auto", radix=True,
+                  backend="torch", context=None, hicache: HiCacheConfig | None = None,
+                  device: DeviceConfig | None = None, **sched) -> NibbleConfig:
+    """The config tree of a test engine: a pool of ``num_pages`` pages of format ``kv``, the
+    attention ``backend``, scheduler fields ``sched`` over the tests' defaults (8 running,
+    512-token chunks, 2048-token steps)."""
+    sched = {"max_running_requests": 8, "chunked_prefill_size": 512,
+             "max_prefill_tokens": 2048, **sched}
+    return NibbleConfig(
+        model=ModelConfig(context_length=context),
+        cache=CacheConfig(kv_cache_dtype=kv, page_size=page_size,
+                          max_total_tokens=num_pages * page_size,
+                          prefill_kv_dtype=prefill_kv_dtype, disable_radix_cache=not radix),
+        hicache=hicache or HiCacheConfig(), scheduler=SchedulerConfig(**sched),
+        device=device or DeviceConfig(attention_backend=backend))
+
+
+def tiered_config(kv: str) -> NibbleConfig:
+    """32 L1 pages, 64 in L2, write-through, prefetch waits; the L3 store is injected."""
+    hicache = HiCacheConfig(enable_hierarchical_cache=True, hicache_ratio=2.0,
+                            hicache_write_policy="write_through",
+                            hicache_prefetch_policy="wait_complete")
+    return engine_config(kv, 32, hicache=hicache,
+                         max_running_requests=SchedulerConfig().max_running_requests)
+
+
 def make_engine(model: CausalLM, kv="bf16", num_pages=64, page_size=16, prefill_kv_dtype="auto",
                 radix=True, **sched) -> EngineCore:
-    a = model.arch
-    layout = PageLayout(kv, a.num_layers, a.num_kv_heads, a.head_dim, page_size)
-    pool = KVPool(layout, num_pages)
-    cache = RadixCache(page_size, pool) if radix else None
-    backend = TorchAttentionBackend(pool, a.sm_scale, prefill_kv_dtype)
-    cfg = SchedulerConfig(**{"max_running_requests": 8, "chunked_prefill_size": 512,
-                             "max_prefill_tokens": 2048, **sched})
-    return EngineCore(ModelRunner(model, backend, torch.device("cpu")), pool, CharTokenizer(),
-                      cfg, a.max_position_embeddings, cache)
+    """A real EngineCore through the server's builder: torch attention, no tier manager."""
+    cfg = engine_config(kv, num_pages, page_size, prefill_kv_dtype, radix, **sched)
+    return build_engine_core(model, CharTokenizer(), cfg,
+                             inject=Injected(calibrate=False, use_l1_tiers=False))
 
 
 @pytest.fixture(scope="module")

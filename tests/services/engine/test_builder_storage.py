@@ -9,9 +9,9 @@ import pytest
 
 from nibble.services.config import CacheConfig, HiCacheConfig
 from nibble.services.credentials import STORAGE_PASSWORD_ENV
-from nibble.services.engine import builder
-from nibble.services.engine.builder import (DEFAULT_STORAGE_BYTES, build_storage, load_secret,
-                                            storage_budget)
+from nibble.services.engine import tier_setup
+from nibble.services.engine.tier_setup import (DEFAULT_STORAGE_BYTES, build_storage, load_secret,
+                                               storage_budget)
 from nibble.tiering.storage import FileStorage
 
 from tests.redis_fixtures import RedisServer
@@ -42,9 +42,9 @@ def test_the_default_budget_is_16gb_or_half_the_usable_disk(tmp_path, monkeypatc
     root = tmp_path / "l3"
     root.mkdir()
     (root / "held").write_bytes(b"h" * 1000)
-    monkeypatch.setattr(builder.shutil, "disk_usage", lambda p: Usage(0, 0, 9000))
+    monkeypatch.setattr(tier_setup.shutil, "disk_usage", lambda p: Usage(0, 0, 9000))
     assert storage_budget(file_cfg(root), str(root)) == 5000                 # (9000 + 1000) / 2
-    monkeypatch.setattr(builder.shutil, "disk_usage", lambda p: Usage(0, 0, 10**15))
+    monkeypatch.setattr(tier_setup.shutil, "disk_usage", lambda p: Usage(0, 0, 10**15))
     assert storage_budget(file_cfg(root), str(root)) == DEFAULT_STORAGE_BYTES
     assert storage_budget(file_cfg(tmp_path / "not" / "yet"), str(tmp_path / "not" / "yet")) \
         == DEFAULT_STORAGE_BYTES

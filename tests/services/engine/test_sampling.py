@@ -164,8 +164,8 @@ def test_empirical_distribution_matches_softmax(temperature: float) -> None:
     SamplingParams(top_k=0), SamplingParams(top_k=-2),
 ])
 def test_invalid_params_rejected(bad: SamplingParams) -> None:
-    with pytest.raises(InvalidRequestError):
-        sample(torch.zeros(1, 4), [bad], [None])
+    with pytest.raises(InvalidRequestError):     # checked once, where requests enter
+        bad.check()
 
 
 def test_shape_mismatch_rejected() -> None:

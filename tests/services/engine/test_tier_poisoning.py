@@ -17,21 +17,13 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from nibble.kernels import PageLayout
-from nibble.services.attention import TorchAttentionBackend
-from nibble.services.config import SchedulerConfig
-from nibble.services.engine.engine import EngineCore
-from nibble.services.engine.model_runner import ModelRunner
+from nibble.services.engine.builder import Injected, build_engine_core
 from nibble.services.metrics import Metrics
-from nibble.tiering import KVPool
-from nibble.tiering.host_pool import HostPool
 from nibble.tiering.page_record import MAGIC, decode_page, encode_page
-from nibble.tiering.radix_cache import RadixCache
 from nibble.tiering.secret import KVSecret
 from nibble.tiering.storage import FileStorage, RedisStorage
-from nibble.tiering.tier_manager import TierManager, TierPolicy
 
-from .conftest import CharTokenizer
+from .conftest import CharTokenizer, tiered_config
 from .test_engine import PROMPT, greedy, run_all
 
 OTHER = [(11 * i + 5) % 90 + 1 for i in range(70)]       # differs from PROMPT at token 0
@@ -55,17 +47,12 @@ def make(store):
     made = []
 
     def build(model, kv="bf16"):
-        a = model.arch
-        layout = PageLayout(kv, a.num_layers, a.num_kv_heads, a.head_dim, 16)
-        pool = KVPool(layout, 32)
-        cache = RadixCache(16, pool)
-        tiers = TierManager(pool, cache, "test-model", HostPool(layout, 64), store,
-                            TierPolicy("write_through", "wait_complete", l3_latency_s=0.0),
-                            secret=KVSecret("poisoning-tests-secret-0123456789"))
-        made.append(tiers)
-        return EngineCore(ModelRunner(model, TorchAttentionBackend(pool, a.sm_scale),
-                                      torch.device("cpu")), pool, CharTokenizer(),
-                          SchedulerConfig(), a.max_position_embeddings, cache, tiers)
+        core = build_engine_core(model, CharTokenizer(), tiered_config(kv), fingerprint="test-model",
+                                 inject=Injected(calibrate=False, storage=store,
+                                                 secret=KVSecret("poisoning-tests-secret-0123456789"),
+                                                 tier_kw={"l3_latency_s": 0.0}))
+        made.append(core.tiers)
+        return core
 
     yield build
     for tiers in made:

@@ -8,35 +8,26 @@ import time
 import pytest
 import torch
 
-from nibble.kernels import PageLayout
-from nibble.services.attention import TorchAttentionBackend
-from nibble.services.config import SchedulerConfig
-from nibble.services.engine.engine import EngineCore
-from nibble.services.engine.model_runner import ModelRunner
-from nibble.tiering import KVPool
-from nibble.tiering.host_pool import HostPool
-from nibble.tiering.radix_cache import RadixCache
-from nibble.tiering.storage import create_storage_backend
-from nibble.tiering.tier_manager import TierManager, TierPolicy
+from nibble.services.config import HiCacheConfig, SchedulerConfig
+from nibble.services.engine.builder import Injected, build_engine_core
 
-from .conftest import CharTokenizer
+from .conftest import CharTokenizer, engine_config
 from .test_engine import PROMPT, alone, greedy, run_all
 
 
 def tiered_engine(model, tmp_path, kv="bf16", write="write_through", prefetch="wait_complete",
                   num_pages=32, host_pages=64, storage=True, clock=None, **policy):
-    a = model.arch
-    layout = PageLayout(kv, a.num_layers, a.num_kv_heads, a.head_dim, 16)
-    pool = KVPool(layout, num_pages)
-    cache = RadixCache(16, pool)
-    store = create_storage_backend("file", str(tmp_path / "l3")) if storage else None
-    tiers = TierManager(pool, cache, "test-model", HostPool(layout, host_pages), store,
-                        TierPolicy(write, prefetch, **{"l3_latency_s": 0.0, **policy}),
-                        **({"clock": clock} if clock else {}))
-    backend = TorchAttentionBackend(pool, a.sm_scale)
-    eng = EngineCore(ModelRunner(model, backend, torch.device("cpu")), pool, CharTokenizer(),
-                     SchedulerConfig(), a.max_position_embeddings, cache, tiers)
-    return eng
+    """A real EngineCore with L2 (``host_pages``) and an L3 file store under ``tmp_path``."""
+    hicache = HiCacheConfig(enable_hierarchical_cache=True, hicache_size=None,
+                            hicache_ratio=host_pages / num_pages, hicache_write_policy=write,
+                            hicache_prefetch_policy=prefetch,
+                            hicache_storage_backend="file" if storage else "none",
+                            hicache_storage_url=str(tmp_path / "l3"))
+    cfg = engine_config(kv, num_pages, hicache=hicache,
+                        max_running_requests=SchedulerConfig().max_running_requests)
+    tier_kw = {"l3_latency_s": 0.0, **policy, **({"clock": clock} if clock else {})}
+    return build_engine_core(model, CharTokenizer(), cfg, fingerprint="test-model",
+                             inject=Injected(calibrate=False, tier_kw=tier_kw))
 
 
 def settle(eng, cond, timeout=10.0):

@@ -7,37 +7,23 @@ import pytest
 redis_py = pytest.importorskip("redis")
 import torch
 
-from nibble.kernels import PageLayout
-from nibble.services.attention import TorchAttentionBackend
-from nibble.services.config import SchedulerConfig
-from nibble.services.engine.engine import EngineCore
-from nibble.services.engine.model_runner import ModelRunner
-from nibble.tiering import KVPool
-from nibble.tiering.host_pool import HostPool
-from nibble.tiering.radix_cache import RadixCache
+from nibble.services.engine.builder import Injected, build_engine_core
 from nibble.tiering.storage import RedisStorage
-from nibble.tiering.tier_manager import TierManager, TierPolicy
 
 from tests.redis_fixtures import wait_for
 
-from .conftest import CharTokenizer
+from .conftest import CharTokenizer, tiered_config
 from .test_engine import PROMPT, alone, greedy, run_all
 
 pytestmark = pytest.mark.redis
 
 
 def engine_on(model, url, prefix, kv="nvfp4"):
-    a = model.arch
-    layout = PageLayout(kv, a.num_layers, a.num_kv_heads, a.head_dim, 16)
-    pool = KVPool(layout, 32)
-    cache = RadixCache(16, pool)
     store = RedisStorage(url, prefix=prefix, client_name="nibble-test-tiers",
                          backoff_base_s=0.05, backoff_max_s=0.2)
-    tiers = TierManager(pool, cache, "test-model", HostPool(layout, 64), store,
-                        TierPolicy("write_through", "wait_complete", l3_latency_s=0.0))
-    return EngineCore(ModelRunner(model, TorchAttentionBackend(pool, a.sm_scale),
-                                  torch.device("cpu")), pool, CharTokenizer(), SchedulerConfig(),
-                      a.max_position_embeddings, cache, tiers)
+    return build_engine_core(model, CharTokenizer(), tiered_config(kv), fingerprint="test-model",
+                             inject=Injected(calibrate=False, storage=store,
+                                             tier_kw={"l3_latency_s": 0.0}))
 
 
 def flush_l1_l2(eng):

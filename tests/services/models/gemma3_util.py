@@ -7,13 +7,10 @@ from dataclasses import dataclass
 
 import torch
 
-from nibble.kernels import PageLayout
-from nibble.services.attention import TorchAttentionBackend
-from nibble.services.config import SchedulerConfig
-from nibble.services.engine.engine import EngineCore
-from nibble.services.engine.model_runner import ModelRunner
+from nibble.services.engine.builder import Injected, build_engine_core
 from nibble.services.engine.types import GenerateRequest, SamplingParams
-from nibble.tiering import KVPool
+
+from ..engine.conftest import engine_config
 
 
 @dataclass
@@ -52,17 +49,13 @@ def run_engine(lm, prompt: list[int], gen: int, chunk: int = 512, kv: str = "bf1
     ``windows``: the backend's sliding windows (default: the model's own).
     Returns every step and the generated tokens.
     """
-    a = lm.arch
     total = len(prompt) + gen
-    layout = PageLayout(kv, a.num_layers, a.num_kv_heads, a.head_dim, page_size)
-    pool = KVPool(layout, -(-total // page_size) + 2)
-    backend = TorchAttentionBackend(pool, a.sm_scale, sliding_windows=(
-        a.sliding_windows if windows is None else windows))
     tap = _Tap(lm.model)
-    cfg = SchedulerConfig(max_running_requests=1, chunked_prefill_size=chunk,
-                          max_prefill_tokens=max(chunk, 64))
-    core = EngineCore(ModelRunner(tap, backend, torch.device("cpu")), pool, lm.tokenizer, cfg,
-                      total + 8, None)
+    cfg = engine_config(kv, -(-total // page_size) + 2, page_size, radix=False, context=total + 8,
+                        max_running_requests=1, chunked_prefill_size=chunk,
+                        max_prefill_tokens=max(chunk, 64))
+    core = build_engine_core(tap, lm.tokenizer, cfg, inject=Injected(
+        calibrate=False, sliding_windows=windows))
     core.add_request(GenerateRequest("r", list(prompt), SamplingParams(
         max_tokens=gen, temperature=0.0, ignore_eos=True)))
     tokens: list[int] = []
