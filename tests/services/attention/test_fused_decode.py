@@ -68,9 +68,10 @@ def _compare(model, kv, tol, device="cpu", near_ties=False, **kw):
     """
     ref = run_scenario(_engine(model, kv, device, disable_fused_kernels=True, **kw),
                        mixed_arrivals())
-    eng = _engine(model, kv, device, disable_fused_kernels=False, **kw)   # fused on CUDA
-    with fused(model, True), count_fused() as counts:
-        got = run_scenario(eng, mixed_arrivals())
+    with count_fused() as counts:          # from the build on: it captures the CUDA graphs
+        eng = _engine(model, kv, device, disable_fused_kernels=False, **kw)  # fused on CUDA
+        with fused(model, True):
+            got = run_scenario(eng, mixed_arrivals())
     assert got[2] == ref[2] == {"prefill", "extend", "decode", "mixed"}
     assert counts[0] > 0 and counts[1] > 0, counts     # decode steps fused, mixed ones not
     worst, flipped = 0.0, False
