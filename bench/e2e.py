@@ -122,19 +122,43 @@ def _recapture(core) -> None:
         core.runner.graphs.recapture()
 
 
+def set_overlap(core, on: bool) -> list:
+    """Overlap scheduling on or off between two steps; the outputs of the step that was in
+    flight when it goes off (the caller records them)."""
+    from nibble.services.engine.overlap import OverlapStepper
+    if on and core.overlap is None:
+        core.overlap = OverlapStepper(core)
+        return []
+    if not on and core.overlap is not None:
+        outs = core.overlap.drain()
+        core.overlap = None
+        return outs
+    return []
+
+
 def _phase_plan(core, args) -> list[tuple[str, object]]:
-    """``[(phase name, switch to it or None)]`` of a burst's steady steps, in order."""
+    """``[(phase name, switch to it or None)]`` of a burst's steady steps, in order. Each
+    switch returns the outputs it landed (a drained overlapped step)."""
     fused = getattr(core.runner.model, "fused_kernels", False)
-    plan = [("fused" if fused else "unfused", None)]
+    overlap = core.overlap is not None
+    main = "fused" if fused else "unfused"
+    plan = [(main, None)]
     recipe = getattr(getattr(core.runner.backend, "_recipe", None), "recipe", None)
+    if args.compare_no_overlap and overlap:
+        plan.append((main + "_no_overlap", lambda: set_overlap(core, False)))
     if args.compare_plain_recipe and recipe is not None:
-        plan.append((plan[0][0] + "_plain_k", lambda: set_recipe(core, None)))
+        def plain():
+            outs = set_overlap(core, overlap)
+            set_recipe(core, None)
+            return outs
+        plan.append((main + "_plain_k", plain))
     if args.compare_unfused and fused:
-        def back_and_unfuse():
-            if len(plan) > 2:
-                set_recipe(core, recipe)      # the recipe back on: unfused with it, as before
+        def unfused():      # the engine before both: recipe on, unfused, not overlapped
+            outs = set_overlap(core, False)
+            set_recipe(core, recipe)
             unfuse(core)
-        plan.append(("unfused", back_and_unfuse))
+            return outs
+        plan.append(("unfused", unfused))
     return plan
 
 
@@ -158,15 +182,20 @@ class _Burst:
         s0 = time.perf_counter()
         outs = self.core.step()
         now = time.perf_counter()
+        n = self.record(outs, now)
+        self.max_batch = max(self.max_batch, n)
+        if meter is not None and steady and n == self.c:
+            meter.add(now - s0, n, context)
+        return n
+
+    def record(self, outs, now: float) -> int:
+        """Note the tokens of ``outs`` (landed at ``now``); returns how many."""
         n = sum(len(o.new_token_ids) for o in outs)
         for o in outs:
             if o.new_token_ids:
                 self.first.setdefault(o.request_id, now - self.t0)
                 self.last[o.request_id] = now - self.t0
                 self.generated[o.request_id] += len(o.new_token_ids)
-        self.max_batch = max(self.max_batch, n)
-        if meter is not None and steady and n == self.c:
-            meter.add(now - s0, n, context)
         return n
 
 
@@ -206,7 +235,7 @@ def run_burst(core, args, c: int, vocab: int, gen: torch.Generator, label: str) 
             if at + 1 < len(plan) and meter.steps >= split:
                 at += 1
                 phase, switch = plan[at]
-                switch()
+                bar.update(b.record(switch(), time.perf_counter()))
                 since = 0
     wall = time.perf_counter() - b.t0
     ttfts = list(b.first.values())
@@ -352,6 +381,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="steady steps per phase under the torch profiler (CUDA; 0: none)")
     b.add_argument("--compare-unfused", action="store_true",
                    help="end the steady steps on the unfused layer ops (a phase of its own)")
+    b.add_argument("--compare-no-overlap", action="store_true",
+                   help="a phase with overlap scheduling off (--disable-overlap-schedule)")
     b.add_argument("--compare-plain-recipe", action="store_true",
                    help="a recipe format also times a phase with its K recipe off (plain "
                         "NVFP4's code path; timing only, tokens are wrong meanwhile)")

@@ -163,6 +163,9 @@ class SchedulerConfig:
     max_queued_requests: int | None = flag(None)  # admission gate: 503 + Retry-After beyond it
     schedule_policy: str = flag("fcfs", choices=("fcfs", "lpm"))  # lpm: longest prefix first
     schedule_conservativeness: float = flag(1.0)  # share of future decode pages held back
+    disable_overlap_schedule: bool = flag(
+        False, help="plan each step after the previous one finished, instead of while it runs "
+                    "on the GPU (overlap scheduling is on for CUDA; A/B runs)")
     debug_checks: bool = flag(False, help="check the KV cache's bookkeeping "
                                           "(KVCacheManager.check_integrity) whenever the "
                                           "engine idles")

@@ -45,6 +45,7 @@ class Injected:
     calibrate: bool = True           # calibrate the format's K recipe on the model
     static_decode_path: bool = False  # CPU: the decode graphs' static buffers, run eagerly
     use_l1_tiers: bool = True        # False: no tier manager when L2/L3 are off
+    overlap: bool | None = None      # overlap scheduling (default: on CUDA unless disabled)
 
 
 @dataclass
@@ -182,8 +183,10 @@ def build_engine_core(model, tokenizer, cfg: NibbleConfig, *, device: torch.devi
                             **inject.tier_kw)
     graphs = build_graph_runner(cfg.device, model, backend, device, context, layout.page_size,
                                 inject.static_decode_path)
+    overlap = inject.overlap if inject.overlap is not None else (
+        device.type == "cuda" and not cfg.scheduler.disable_overlap_schedule)
     return EngineCore(ModelRunner(model, backend, device, graphs), pool, tokenizer,
-                      cfg.scheduler, context, cache, tiers)
+                      cfg.scheduler, context, cache, tiers, overlap=overlap)
 
 
 def build_parts(cfg: NibbleConfig) -> EngineParts:

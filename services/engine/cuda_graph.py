@@ -148,14 +148,18 @@ class DecodeGraphRunner:
     def bucket(self, batch: int) -> int:
         return next(b for b in self.buckets if b >= batch)
 
-    def _fill(self, seqs: list[ScheduledSeq], page_size: int, b: int) -> None:
-        """Copy the step into the static buffers (one H2D copy each) and pad to ``b`` rows."""
+    def _fill(self, seqs: list[ScheduledSeq], page_size: int, b: int,
+              ids: torch.Tensor | None = None) -> None:
+        """Copy the step into the static buffers (one H2D copy each) and pad to ``b`` rows;
+        ``ids``: the input ids already on the device (overlap scheduling)."""
         n = len(seqs)
         table = padded_block_tables(seqs)
         width = table.shape[1]
         pos = torch.tensor([s.start_pos for s in seqs], dtype=torch.int64)
         buf = self.buf
-        buf.input_ids[:n].copy_(torch.tensor([s.token_ids[0] for s in seqs]), non_blocking=True)
+        if ids is None:
+            ids = torch.tensor([s.token_ids[0] for s in seqs])
+        buf.input_ids[:n].copy_(ids, non_blocking=True)
         buf.positions[:n].copy_(pos, non_blocking=True)
         buf.slots[:n].copy_(kv_slots(table, torch.arange(n), pos, page_size), non_blocking=True)
         buf.seq_lens[:n].copy_((pos + 1).to(torch.int32), non_blocking=True)
@@ -167,10 +171,12 @@ class DecodeGraphRunner:
             buf.seq_lens[n:b].fill_(1)
 
     @torch.inference_mode()
-    def run(self, seqs: list[ScheduledSeq], page_size: int) -> torch.Tensor:
-        """Logits ``[len(seqs), vocab]`` float32 for a step where :meth:`applies` holds."""
+    def run(self, seqs: list[ScheduledSeq], page_size: int,
+            ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits ``[len(seqs), vocab]`` float32 for a step where :meth:`applies` holds;
+        ``ids``: int64 ``[len(seqs)]`` input ids on the device, else from ``token_ids``."""
         b = self.bucket(len(seqs))
-        self._fill(seqs, page_size, b)
+        self._fill(seqs, page_size, b, ids)
         self.backend.prepare_graph_replay()
         self.replays += 1
         if not self.use_graphs:

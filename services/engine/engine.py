@@ -25,6 +25,7 @@ from .detokenizer import IncrementalDetokenizer
 from .faults import StepIsolator, describe, is_device_fault
 from .kv_connector import KVConnector
 from .model_runner import ModelRunner
+from .overlap import OverlapStepper
 from .scheduler import Scheduler
 from .sequence import Sequence
 from .stop import StopStringMatcher
@@ -68,7 +69,8 @@ class EngineCore:
 
     def __init__(self, runner: ModelRunner, pool: KVPool, tokenizer, sched_cfg: SchedulerConfig,
                  context_length: int, cache: RadixCache | None = None,
-                 tiers: TierManager | None = None, max_fault_streak: int = MAX_FAULT_STREAK):
+                 tiers: TierManager | None = None, max_fault_streak: int = MAX_FAULT_STREAK,
+                 overlap: bool = False):
         self.runner = runner
         self.kv = KVCacheManager(pool, cache, tiers)
         # The parts themselves, for the runner's owner, benchmarks and tests; the scheduler
@@ -88,6 +90,8 @@ class EngineCore:
         self.num_request_faults = 0    # totals, for metrics and tests
         self.num_fault_recomputes = 0
         self.num_prompt_tokens_computed = 0   # prompt tokens run through the model (not reused)
+        # Overlap scheduling (services/engine/overlap.py): step N+1 planned while N runs.
+        self.overlap = OverlapStepper(self) if overlap else None
 
     @property
     def max_request_tokens(self) -> int:
@@ -157,7 +161,8 @@ class EngineCore:
         return self._on_token(seq, first_token)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or (
+            self.overlap is not None and self.overlap.inflight is not None)
 
     def num_running(self) -> int:
         return len(self.scheduler.running)
@@ -230,7 +235,10 @@ class EngineCore:
             self.kv.check_integrity()
 
     def step(self) -> list[RequestOutput]:
-        """Run one batch; return an update for every request that produced a token."""
+        """Run one batch; return an update for every request that produced a token (with
+        overlap scheduling, the updates of the step before, which landed meanwhile)."""
+        if self.overlap is not None:
+            return self.overlap.step()
         batch = self.scheduler.schedule()
         sampled, failed = self._execute(batch)
         return self._process(batch, sampled, failed)
@@ -321,14 +329,19 @@ class EngineCore:
                               RequestFaultError.__name__)
 
     def _on_token(self, seq: Sequence, token: int) -> RequestOutput:
-        seq.token_ids.append(token)
+        if seq.num_pending:          # overlap: the oldest placeholder is this token
+            seq.token_ids[len(seq.token_ids) - seq.num_pending] = token
+            seq.num_pending -= 1
+        else:
+            seq.token_ids.append(token)
         sp = seq.request.sampling
         stream = self._streams[seq.request_id]
         is_stop_token = (token in self.eos and not sp.ignore_eos) or token in sp.stop_token_ids
         text, stopped = stream.push(token) if not is_stop_token else ("", False)
         if is_stop_token or stopped:
             seq.finish_reason = FinishReason.STOP
-        elif seq.num_output >= sp.max_tokens or len(seq.token_ids) >= self.context_length:
+        elif seq.num_output >= sp.max_tokens or \
+                seq.num_prompt + seq.num_output >= self.context_length:
             seq.finish_reason = FinishReason.LENGTH
         if seq.finish_reason is None:
             return RequestOutput(seq.request_id, [token], text, False, None, seq.usage())

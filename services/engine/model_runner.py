@@ -60,11 +60,14 @@ class ModelRunner:
             return WorkerOutput({})
         return self._sample(picked, self._forward(seqs, page_size, rows=True))
 
-    def _forward(self, seqs: list[ScheduledSeq], page_size: int, rows: bool | None
-                 ) -> torch.Tensor | None:
-        """Eager forward of the step; logits ``[N, vocab]`` float32 of the sampled rows."""
-        ids = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.long,
-                           device=self.device)
+    def _forward(self, seqs: list[ScheduledSeq], page_size: int, rows: bool | None,
+                 ids: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Eager forward of the step; logits ``[N, vocab]`` float32 of the sampled rows.
+        ``ids``: the step's input ids (int64 ``[T]`` on the device) when they are not all
+        known on the host (overlap scheduling); else built from ``token_ids``."""
+        if ids is None:
+            ids = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.long,
+                               device=self.device)
         pos, token_rows = positions_of(seqs)
         positions = pos.to(self.device)
         meta = self._metadata(seqs, page_size, pos, token_rows)
@@ -83,6 +86,15 @@ class ModelRunner:
         extra device sync: bad rows are zeroed before sampling and marked -1 in
         the one token transfer.
         """
+        tokens = self.sample_tokens(picked, logits).tolist()
+        sampled = {s.request_id: t for s, t in zip(picked, tokens) if t >= 0}
+        failed = {s.request_id: "non-finite logits (NaN or inf)"
+                  for s, t in zip(picked, tokens) if t < 0}
+        return WorkerOutput(sampled, failed)
+
+    def sample_tokens(self, picked: list[ScheduledSeq], logits: torch.Tensor) -> torch.Tensor:
+        """int64 ``[len(picked)]`` on the logits' device: one token per row, -1 for a row
+        holding NaN or inf (zeroed before sampling, so it costs no device sync)."""
         gens = []
         for s in picked:
             if s.request_id not in self._generators:
@@ -90,8 +102,4 @@ class ModelRunner:
             gens.append(self._generators[s.request_id])
         bad = ~torch.isfinite(logits).all(dim=-1)
         clean = logits.masked_fill(bad.unsqueeze(1), 0.0)
-        tokens = sample(clean, [s.sampling for s in picked], gens).masked_fill(bad, -1).tolist()
-        sampled = {s.request_id: t for s, t in zip(picked, tokens) if t >= 0}
-        failed = {s.request_id: "non-finite logits (NaN or inf)"
-                  for s, t in zip(picked, tokens) if t < 0}
-        return WorkerOutput(sampled, failed)
+        return sample(clean, [s.sampling for s in picked], gens).masked_fill(bad, -1)

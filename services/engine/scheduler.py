@@ -124,6 +124,8 @@ class Scheduler:
 
         0: not enough room (stop admitting); None: its prefetch is still running.
         """
+        if seq.num_pending:          # preempted with a token in flight: admit once it lands
+            return None
         hit = self.kv.match(seq)
         if not self.kv.ready(seq, hit):
             return None
@@ -181,7 +183,7 @@ class Scheduler:
         out: list[ScheduledSeq] = []
         scheduled: set[str] = set()
         for seq in sorted(self.running, key=lambda s: s.remaining != 1):
-            if seq.status is not SeqStatus.RUNNING or budget <= 0:
+            if seq.status is not SeqStatus.RUNNING or budget <= 0 or seq.fully_scheduled:
                 continue
             n = min(seq.remaining, self.cfg.chunked_prefill_size, budget)
             while not self._grow(seq, n):
@@ -225,6 +227,7 @@ class Scheduler:
             seq.handle = None              # the connector keeps the pages (hold_pages)
         self.release(seq, cache)
         self.kv.cancel(seq)
+        seq.incarnation += 1
         seq.status = SeqStatus.FINISHED
 
     # ---- faults ----
@@ -251,6 +254,7 @@ class Scheduler:
         self.release(seq, cache=False)
         self.kv.cancel(seq)
         seq.num_computed = seq.reused_tokens = 0
+        seq.incarnation += 1
         seq.no_reuse = True
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)

@@ -41,6 +41,10 @@ class Sequence:
                                            # cache, L2/L3, a prefill worker), not computed here
     num_faults: int = 0                    # steps this request failed in (fault isolation)
     no_reuse: bool = False                 # recompute without any cached page (after a fault)
+    num_pending: int = 0                   # overlap scheduling: trailing token_ids that are
+                                           # placeholders for tokens still on the device
+    incarnation: int = 0                   # bumped when a fault rolls the sequence back or it
+                                           # ends: an in-flight step's token for it is dropped
 
     @property
     def request_id(self) -> str:
@@ -62,11 +66,19 @@ class Sequence:
 
     @property
     def num_output(self) -> int:
-        return len(self.token_ids) - self.num_prompt
+        """Generated tokens known on the host (placeholders not counted)."""
+        return len(self.token_ids) - self.num_prompt - self.num_pending
 
     @property
     def output_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt:]
+        return self.token_ids[self.num_prompt:len(self.token_ids) - self.num_pending]
+
+    @property
+    def fully_scheduled(self) -> bool:
+        """Overlap scheduling: the tokens in flight already reach max_tokens, so the
+        sequence needs no further step (it ends when they land)."""
+        return self.num_pending > 0 and \
+            self.num_output + self.num_pending >= self.request.sampling.max_tokens
 
     @property
     def remaining(self) -> int:

@@ -79,11 +79,12 @@ def tiered_config(kv: str) -> NibbleConfig:
 
 
 def make_engine(model: CausalLM, kv="bf16", num_pages=64, page_size=16, prefill_kv_dtype="auto",
-                radix=True, **sched) -> EngineCore:
-    """A real EngineCore through the server's builder: torch attention, no tier manager."""
+                radix=True, overlap=False, **sched) -> EngineCore:
+    """A real EngineCore through the server's builder: torch attention, no tier manager;
+    ``overlap``: overlap scheduling (on the CPU too, where its steps simply run in order)."""
     cfg = engine_config(kv, num_pages, page_size, prefill_kv_dtype, radix, **sched)
-    return build_engine_core(model, CharTokenizer(), cfg,
-                             inject=Injected(calibrate=False, use_l1_tiers=False))
+    return build_engine_core(model, CharTokenizer(), cfg, inject=Injected(
+        calibrate=False, use_l1_tiers=False, overlap=overlap))
 
 
 @pytest.fixture(scope="module")

@@ -27,10 +27,10 @@ class FaultyRunner(ModelRunner):
         self.executions += 1
         return super().execute(batch, page_size)
 
-    def _forward(self, seqs, page_size, rows):
+    def _forward(self, seqs, page_size, rows, ids=None):
         if any(s.request_id in self.raise_for for s in seqs):
             raise self.exc
-        logits = super()._forward(seqs, page_size, rows)
+        logits = super()._forward(seqs, page_size, rows, ids)
         if logits is not None:
             for i, s in enumerate(s for s in seqs if s.sample):
                 if s.request_id in self.nan_for:

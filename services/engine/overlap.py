@@ -1,0 +1,205 @@
+"""Overlap scheduling: the host schedules and prepares step N+1 while the device runs step N.
+
+A pure decode step is *launched*, not waited for: its sampled ids stay in a device tensor
+(``Launched.tokens``) that the next step reads as its input ids, and a non-blocking copy
+brings them to pinned host memory for the text one step later. Each sequence of a launched
+step gets a placeholder token (``Sequence.num_pending``) and its ``num_computed`` advances
+at once, so the scheduler can plan the next step before the token is known.
+
+``OverlapStepper.step``: schedule N+1 -> launch it (reading N's ids on the device) ->
+resolve N (wait for its copy, fill the placeholders, stop conditions, detokenize). So stop
+conditions are resolved one step late: a sequence that ended at N has also run in N+1, and
+that extra token is dropped (``Sequence.incarnation`` tells which tokens are stale). Any
+other step (a prefill chunk, a first token, a failed launch) resolves N first and runs
+synchronously. Pages stay correct because every step and every tier copy runs in order on
+one device stream: a page freed while N+1 still writes it is reused only by later work.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import DeviceFaultError
+from .faults import describe, is_device_fault
+from .types import RequestOutput, ScheduledBatch, ScheduledSeq
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Launched:
+    """A decode step whose sampled ids are still on their way to the host."""
+
+    picked: list[ScheduledSeq]       # the step's entries (every one samples), in row order
+    incarnations: list[int]          # each entry's Sequence.incarnation at launch
+    tokens: torch.Tensor             # int64 [B] on the device: sampled ids, -1 for a bad row
+    host: torch.Tensor               # int64 [>= B] host copy (pinned on CUDA)
+    event: torch.cuda.Event | None   # recorded after the copy (None on CPU: already done)
+    rows: dict[str, int] = field(default_factory=dict)   # request id -> row in ``tokens``
+
+    def wait(self) -> list[int]:
+        """The sampled ids on the host (blocks until the device is done with the step)."""
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host[:len(self.picked)].tolist()
+
+
+class HostRing:
+    """Two reusable host buffers for the sampled ids (pinned on CUDA): step N+1 writes one
+    while the host still reads step N's from the other."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._bufs: list[torch.Tensor] = []
+        self._next = 0
+
+    def take(self, n: int) -> torch.Tensor:
+        pin = self.device.type == "cuda"
+        if not self._bufs or self._bufs[0].numel() < n:
+            size = max(n, 64)
+            self._bufs = [torch.empty(size, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self._next ^= 1
+        return self._bufs[self._next]
+
+
+def is_pure_decode(batch: ScheduledBatch, seqs: dict) -> bool:
+    """Every entry runs one generated token and samples (no prefill chunk, no first token)."""
+    return bool(batch.seqs) and all(
+        len(e.token_ids) == 1 and e.sample and e.start_pos >= seqs[e.request_id].num_prompt
+        for e in batch.seqs)
+
+
+class OverlapStepper:
+    """The overlapped step loop of an ``EngineCore`` (``--disable-overlap-schedule`` off).
+
+    It uses the core's scheduler, runner and output handling; the core keeps the state.
+    """
+
+    def __init__(self, core):
+        self.core = core
+        self.inflight: Launched | None = None
+        self.ring = HostRing(core.runner.device)
+        self.launches = 0           # steps launched without waiting (for tests and metrics)
+
+    def step(self) -> list[RequestOutput]:
+        core = self.core
+        batch = core.scheduler.schedule()
+        prev = self.inflight
+        if is_pure_decode(batch, core._seqs):
+            launched = self._launch(batch, prev)
+            if launched is not None:
+                self.inflight = launched
+                return self._resolve(prev) if prev is not None else []
+        outputs = self._resolve(prev) if prev is not None else []
+        self.inflight = None
+        batch = self._settle(batch)
+        sampled, failed = core._execute(batch)
+        return outputs + core._process(batch, sampled, failed)
+
+    def drain(self) -> list[RequestOutput]:
+        """Resolve the step in flight, if any (idle engine, shutdown)."""
+        prev, self.inflight = self.inflight, None
+        return self._resolve(prev) if prev is not None else []
+
+    # ---- launch ----
+    def _launch(self, batch: ScheduledBatch, prev: Launched | None) -> Launched | None:
+        """Start ``batch`` on the device and advance its sequences; None when it could not
+        start (the caller runs it synchronously, with fault isolation)."""
+        core, seqs = self.core, batch.seqs
+        runner, page_size = core.runner, core.pool.layout.page_size
+        try:
+            with torch.inference_mode():
+                ids = self._input_ids(seqs, prev)
+                if runner.graphs is not None and runner.graphs.applies(seqs):
+                    logits = runner.graphs.run(seqs, page_size, ids)
+                else:
+                    logits = runner._forward(seqs, page_size, rows=True, ids=ids)
+                tokens = runner.sample_tokens(seqs, logits)
+                host = self.ring.take(len(seqs))
+                host[:len(seqs)].copy_(tokens, non_blocking=True)
+                event = None
+                if tokens.is_cuda:
+                    event = torch.cuda.Event()
+                    event.record()
+        except Exception as exc:  # noqa: BLE001 - classified: device fault, else run it in sync
+            if is_device_fault(exc):
+                raise DeviceFaultError(f"device fault in an engine step: {describe(exc)}") from exc
+            log.warning("launching an overlapped step failed (%s); running it synchronously",
+                        describe(exc))
+            return None
+        launched = Launched(list(seqs), [core._seqs[e.request_id].incarnation for e in seqs],
+                            tokens, host, event, {e.request_id: i for i, e in enumerate(seqs)})
+        for e in seqs:              # optimistic: the step ran, its token is on its way
+            seq = core._seqs[e.request_id]
+            seq.num_computed += 1
+            seq.token_ids.append(-1)
+            seq.num_pending += 1
+        self.launches += 1
+        return launched
+
+    def _input_ids(self, seqs: list[ScheduledSeq], prev: Launched | None) -> torch.Tensor:
+        """int64 ``[len(seqs)]`` on the device: a known id from the host, a placeholder's
+        from the previous step's device tensor (no wait for it)."""
+        device = self.core.runner.device
+        known = [e.token_ids[0] for e in seqs]
+        if all(t >= 0 for t in known):
+            return torch.tensor(known, dtype=torch.int64).to(device, non_blocking=True)
+        assert prev is not None, "a placeholder input without a step in flight"
+        src = [prev.rows[e.request_id] if t < 0 else -1 for e, t in zip(seqs, known)]
+        packed = torch.tensor([known, src], dtype=torch.int64).to(device, non_blocking=True)
+        # a bad row's -1 becomes 0: that sequence is rolled back and this step's token dropped
+        from_prev = prev.tokens.clamp(min=0)[packed[1].clamp(min=0)]
+        return torch.where(packed[1] >= 0, from_prev, packed[0])
+
+    # ---- resolve ----
+    def _resolve(self, launched: Launched) -> list[RequestOutput]:
+        """Land ``launched``'s tokens: fill placeholders, apply stops, emit outputs."""
+        core = self.core
+        outputs: list[RequestOutput] = []
+        tokens = launched.wait()
+        failed: dict[str, str] = {}
+        for e, inc, token in zip(launched.picked, launched.incarnations, tokens):
+            seq = core._seqs.get(e.request_id)
+            if seq is None or seq.incarnation != inc:
+                continue            # ended or rolled back meanwhile: the token is stale
+            if token < 0:
+                self._roll_back(seq, e)
+                failed[e.request_id] = "non-finite logits (NaN or inf)"
+                continue
+            outputs.append(core._emit_token(seq, token))
+        if failed:
+            core._count_faults(failed, len(failed) < len(launched.picked))
+            for rid, why in failed.items():
+                out = core._on_fault(core._seqs[rid], why)
+                if out is not None:
+                    outputs.append(out)
+        return outputs
+
+    @staticmethod
+    def _roll_back(seq, entry: ScheduledSeq) -> None:
+        """Undo the optimistic advance of a failed entry and of anything after it: the
+        sequence is back where it was when ``entry`` was scheduled."""
+        del seq.token_ids[entry.start_pos + 1:]
+        seq.num_pending = 0
+        seq.num_computed = entry.start_pos
+        seq.incarnation += 1
+
+    def _settle(self, batch: ScheduledBatch) -> ScheduledBatch:
+        """A batch scheduled while a step was in flight, to run synchronously now that it
+        has landed: placeholders become the landed ids; entries of sequences that ended or
+        were rolled back meanwhile are dropped."""
+        core, out = self.core, []
+        for e in batch.seqs:
+            seq = core._seqs.get(e.request_id)
+            if seq is None or seq.num_computed != e.start_pos or \
+                    seq.num_computed + len(e.token_ids) > len(seq.token_ids):
+                continue
+            ids = seq.token_ids[e.start_pos:e.start_pos + len(e.token_ids)]
+            if any(t < 0 for t in ids):
+                continue
+            out.append(ScheduledSeq(e.request_id, ids, e.start_pos, e.num_cached,
+                                    e.block_table, e.sample, e.sampling))
+        return ScheduledBatch(out)
