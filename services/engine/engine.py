@@ -29,7 +29,7 @@ from .overlap import OverlapStepper
 from .scheduler import Scheduler
 from .sequence import Sequence
 from .stop import StopStringMatcher
-from .types import FinishReason, GenerateRequest, RequestOutput
+from .types import FinishReason, GenerateRequest, RequestOutput, TokenLogprob
 
 log = logging.getLogger(__name__)
 MAX_RECOMPUTES = 1      # a request that failed on reused KV is recomputed at most this often
@@ -82,6 +82,7 @@ class EngineCore:
         self.debug_checks = sched_cfg.debug_checks
         self.context_length = context_length
         self.eos = frozenset(tokenizer.eos_token_ids)
+        runner.eos_ids = self.eos
         self._seqs: dict[str, Sequence] = {}
         self._streams: dict[str, _Stream] = {}
         self.isolator = StepIsolator(runner, pool.layout.page_size)
@@ -240,14 +241,14 @@ class EngineCore:
         if self.overlap is not None:
             return self.overlap.step()
         batch = self.scheduler.schedule()
-        sampled, failed = self._execute(batch)
-        return self._process(batch, sampled, failed)
+        sampled, failed, logprobs = self._execute(batch)
+        return self._process(batch, sampled, failed, logprobs)
 
-    def _process(self, batch, sampled: dict[str, int], failed: dict[str, str]
-                 ) -> list[RequestOutput]:
+    def _process(self, batch, sampled: dict[str, int], failed: dict[str, str],
+                 logprobs: dict[str, TokenLogprob] | None = None) -> list[RequestOutput]:
         """Advance every sequence that ran cleanly, emit its token; handle the failed ones.
         A failed entry's state is left exactly as scheduled."""
-        outputs = []
+        outputs, logprobs = [], logprobs or {}
         for entry in batch.seqs:
             seq = self._seqs[entry.request_id]
             if entry.request_id in failed:
@@ -259,22 +260,24 @@ class EngineCore:
                 if seq.num_output == 0:
                     # Prompt done: share its pages with requests that arrive meanwhile.
                     self.scheduler.cache_computed(seq)
-                outputs.append(self._emit_token(seq, sampled[entry.request_id]))
+                outputs.append(self._emit_token(seq, sampled[entry.request_id],
+                                                logprobs.get(entry.request_id)))
         for rid, why in failed.items():
             out = self._on_fault(self._seqs[rid], why)
             if out is not None:
                 outputs.append(out)
         return outputs
 
-    def _execute(self, batch) -> tuple[dict[str, int], dict[str, str]]:
-        """Run ``batch``: ``(request id -> token, request id -> why it failed)``.
+    def _execute(self, batch) -> tuple[dict[str, int], dict[str, str], dict]:
+        """Run ``batch``: ``(request id -> token, request id -> why it failed, request id ->
+        TokenLogprob)``.
 
         A failed step is re-run without its culprits (faults.StepIsolator).
         Raises DeviceFaultError when the device is broken, or when
         ``max_fault_streak`` requests failed in a row with none running cleanly.
         """
         if not batch.seqs:
-            return {}, {}
+            return {}, {}, {}
         t0 = time.perf_counter()
         try:
             result = self.runner.execute(batch, self.pool.layout.page_size)
@@ -285,11 +288,11 @@ class EngineCore:
                         len(batch.seqs), describe(exc))
             iso = self.isolator.isolate(batch.seqs, exc)
             self._count_faults(iso.failed, iso.any_ok)
-            return iso.sampled, iso.failed
+            return iso.sampled, iso.failed, iso.logprobs
         prefill = sum(len(e.token_ids) for e in batch.seqs if len(e.token_ids) > 1)
         self.kv.observe_prefill(prefill, time.perf_counter() - t0)
         self._count_faults(result.failed, len(result.failed) < len(batch.seqs))
-        return result.sampled, result.failed
+        return result.sampled, result.failed, result.logprobs
 
     def _count_faults(self, failed: dict[str, str], any_ok: bool) -> None:
         if any_ok:
@@ -317,10 +320,14 @@ class EngineCore:
         return self._fail(seq, f"the engine could not run this request: {why}",
                           RequestFaultError.__name__)
 
-    def _emit_token(self, seq: Sequence, token: int) -> RequestOutput:
+    def _emit_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None = None
+                    ) -> RequestOutput:
         """``_on_token``, failing only this request if its text handling raises."""
         try:
-            return self._on_token(seq, token)
+            out = self._on_token(seq, token)
+            if logprob is not None and out.new_token_ids:
+                out.logprobs = [logprob]
+            return out
         except Exception as exc:  # noqa: BLE001 - one request's bug must not end the others
             if is_device_fault(exc):
                 raise

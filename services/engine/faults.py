@@ -64,6 +64,7 @@ class IsolatedStep:
     """What re-running a failed step in smaller groups found."""
 
     sampled: dict[str, int] = field(default_factory=dict)   # request id -> token (good entries)
+    logprobs: dict = field(default_factory=dict)   # request id -> TokenLogprob (asked for)
     failed: dict[str, str] = field(default_factory=dict)    # request id -> why it failed
     executions: int = 0                                     # model runs spent isolating
     any_ok: bool = False                                    # some entry ran cleanly
@@ -110,6 +111,7 @@ class StepIsolator:
                 continue
             out.failed.update(result.failed)
             out.sampled.update(result.sampled)
+            out.logprobs.update(result.logprobs)
             out.any_ok = out.any_ok or len(result.failed) < len(group)
         if out.failed:
             log.warning("isolated a failed step of %d requests in %d runs: %s", len(entries),

@@ -6,6 +6,7 @@ import torch
 
 from ..attention import AttentionBackend, AttentionMetadata
 from .cuda_graph import DecodeGraphRunner
+from .logits_process import StepLogprobs, logprobs_of, process_logits
 from .sampling import make_generator, sample
 from .step_inputs import kv_slots, padded_block_tables, positions_of
 from .types import ScheduledBatch, ScheduledSeq, WorkerOutput
@@ -29,6 +30,7 @@ class ModelRunner:
         self.device = device
         self.graphs = graphs
         self._generators: dict[str, torch.Generator | None] = {}
+        self.eos_ids: frozenset[int] = frozenset()   # set by the engine (min_tokens masks them)
 
     def release(self, request_id: str) -> None:
         """Forget a finished request's RNG."""
@@ -86,20 +88,26 @@ class ModelRunner:
         extra device sync: bad rows are zeroed before sampling and marked -1 in
         the one token transfer.
         """
-        tokens = self.sample_tokens(picked, logits).tolist()
+        tokens_dev, lps = self.sample_tokens(picked, logits)
+        tokens = tokens_dev.tolist()
         sampled = {s.request_id: t for s, t in zip(picked, tokens) if t >= 0}
         failed = {s.request_id: "non-finite logits (NaN or inf)"
                   for s, t in zip(picked, tokens) if t < 0}
-        return WorkerOutput(sampled, failed)
+        by_row = lps.to_host(tokens) if lps is not None else {}
+        logprobs = {picked[r].request_id: lp for r, lp in by_row.items() if tokens[r] >= 0}
+        return WorkerOutput(sampled, failed, logprobs)
 
-    def sample_tokens(self, picked: list[ScheduledSeq], logits: torch.Tensor) -> torch.Tensor:
+    def sample_tokens(self, picked: list[ScheduledSeq], logits: torch.Tensor
+                      ) -> tuple[torch.Tensor, StepLogprobs | None]:
         """int64 ``[len(picked)]`` on the logits' device: one token per row, -1 for a row
-        holding NaN or inf (zeroed before sampling, so it costs no device sync)."""
+        holding NaN or inf (zeroed before sampling, so it costs no device sync); and the
+        log-probabilities of the rows that asked for them (on the device too)."""
         gens = []
         for s in picked:
             if s.request_id not in self._generators:
                 self._generators[s.request_id] = make_generator(s.sampling.seed, self.device)
             gens.append(self._generators[s.request_id])
         bad = ~torch.isfinite(logits).all(dim=-1)
-        clean = logits.masked_fill(bad.unsqueeze(1), 0.0)
-        return sample(clean, [s.sampling for s in picked], gens).masked_fill(bad, -1)
+        clean = process_logits(logits.masked_fill(bad.unsqueeze(1), 0.0), picked, self.eos_ids)
+        tokens = sample(clean, [s.sampling for s in picked], gens).masked_fill(bad, -1)
+        return tokens, logprobs_of(clean, picked, tokens)

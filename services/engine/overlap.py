@@ -17,6 +17,7 @@ one device stream: a page freed while N+1 still writes it is reused only by late
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 
@@ -24,6 +25,7 @@ import torch
 
 from ..errors import DeviceFaultError
 from .faults import describe, is_device_fault
+from .logits_process import StepLogprobs
 from .types import RequestOutput, ScheduledBatch, ScheduledSeq
 
 log = logging.getLogger(__name__)
@@ -39,6 +41,7 @@ class Launched:
     host: torch.Tensor               # int64 [>= B] host copy (pinned on CUDA)
     event: torch.cuda.Event | None   # recorded after the copy (None on CPU: already done)
     rows: dict[str, int] = field(default_factory=dict)   # request id -> row in ``tokens``
+    logprobs: StepLogprobs | None = None   # host copy, valid once ``event`` is done
 
     def wait(self) -> list[int]:
         """The sampled ids on the host (blocks until the device is done with the step)."""
@@ -66,10 +69,11 @@ class HostRing:
 
 
 def is_pure_decode(batch: ScheduledBatch, seqs: dict) -> bool:
-    """Every entry runs one generated token and samples (no prefill chunk, no first token)."""
+    """Every entry runs one generated token and samples (no prefill chunk, no first token),
+    and no entry's sampling needs the host's token history (penalties, min_tokens)."""
     return bool(batch.seqs) and all(
         len(e.token_ids) == 1 and e.sample and e.start_pos >= seqs[e.request_id].num_prompt
-        for e in batch.seqs)
+        and not e.sampling.needs_history for e in batch.seqs)
 
 
 class OverlapStepper:
@@ -96,8 +100,8 @@ class OverlapStepper:
         outputs = self._resolve(prev) if prev is not None else []
         self.inflight = None
         batch = self._settle(batch)
-        sampled, failed = core._execute(batch)
-        return outputs + core._process(batch, sampled, failed)
+        sampled, failed, logprobs = core._execute(batch)
+        return outputs + core._process(batch, sampled, failed, logprobs)
 
     def drain(self) -> list[RequestOutput]:
         """Resolve the step in flight, if any (idle engine, shutdown)."""
@@ -117,9 +121,10 @@ class OverlapStepper:
                     logits = runner.graphs.run(seqs, page_size, ids)
                 else:
                     logits = runner._forward(seqs, page_size, rows=True, ids=ids)
-                tokens = runner.sample_tokens(seqs, logits)
+                tokens, lps = runner.sample_tokens(seqs, logits)
                 host = self.ring.take(len(seqs))
                 host[:len(seqs)].copy_(tokens, non_blocking=True)
+                lps = lps.start_copy() if lps is not None else None
                 event = None
                 if tokens.is_cuda:
                     event = torch.cuda.Event()
@@ -131,7 +136,8 @@ class OverlapStepper:
                         describe(exc))
             return None
         launched = Launched(list(seqs), [core._seqs[e.request_id].incarnation for e in seqs],
-                            tokens, host, event, {e.request_id: i for i, e in enumerate(seqs)})
+                            tokens, host, event, {e.request_id: i for i, e in enumerate(seqs)},
+                            lps)
         for e in seqs:              # optimistic: the step ran, its token is on its way
             seq = core._seqs[e.request_id]
             seq.num_computed += 1
@@ -160,8 +166,9 @@ class OverlapStepper:
         core = self.core
         outputs: list[RequestOutput] = []
         tokens = launched.wait()
+        lps = launched.logprobs.to_host(tokens) if launched.logprobs is not None else {}
         failed: dict[str, str] = {}
-        for e, inc, token in zip(launched.picked, launched.incarnations, tokens):
+        for row, (e, inc, token) in enumerate(zip(launched.picked, launched.incarnations, tokens)):
             seq = core._seqs.get(e.request_id)
             if seq is None or seq.incarnation != inc:
                 continue            # ended or rolled back meanwhile: the token is stale
@@ -169,7 +176,7 @@ class OverlapStepper:
                 self._roll_back(seq, e)
                 failed[e.request_id] = "non-finite logits (NaN or inf)"
                 continue
-            outputs.append(core._emit_token(seq, token))
+            outputs.append(core._emit_token(seq, token, lps.get(row)))
         if failed:
             core._count_faults(failed, len(failed) < len(launched.picked))
             for rid, why in failed.items():
@@ -200,6 +207,5 @@ class OverlapStepper:
             ids = seq.token_ids[e.start_pos:e.start_pos + len(e.token_ids)]
             if any(t < 0 for t in ids):
                 continue
-            out.append(ScheduledSeq(e.request_id, ids, e.start_pos, e.num_cached,
-                                    e.block_table, e.sample, e.sampling))
+            out.append(dataclasses.replace(e, token_ids=ids))
         return ScheduledBatch(out)

@@ -82,7 +82,7 @@ def _sample_rows(
     # trim a row that asked for no nucleus cut
     top_p = [p.top_p if p.top_p < 1.0 else 2.0 for p in params]
     if all(k >= vocab for k in top_k) and all(p > 1.0 for p in top_p):
-        probs = torch.softmax(scaled, dim=-1)
+        probs = _min_p(torch.softmax(scaled, dim=-1), params)
         return _draw(probs, _uniforms(generators, device))
 
     width = min(max(top_k), vocab)
@@ -99,8 +99,18 @@ def _sample_rows(
     # back to vocab order: the draw then sees the same probabilities whichever
     # path (no filter, topk, full sort) the rest of the batch forced
     keep = torch.zeros_like(scaled, dtype=torch.bool).scatter_(1, ids, keep_sorted)
-    probs = torch.softmax(scaled.masked_fill(~keep, float("-inf")), dim=-1)
+    probs = _min_p(torch.softmax(scaled.masked_fill(~keep, float("-inf")), dim=-1), params)
     return _draw(probs, _uniforms(generators, device))
+
+
+def _min_p(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Zero the tokens below ``min_p`` times their row's top probability (rows with
+    min_p 0 untouched; the draw normalizes by the row's remaining mass)."""
+    if not any(p.min_p > 0.0 for p in params):
+        return probs
+    min_p = torch.tensor([p.min_p for p in params], device=probs.device, dtype=probs.dtype)
+    floor = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
+    return probs.masked_fill(probs < floor, 0.0)
 
 
 def _keep_sorted(vals: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -168,10 +168,12 @@ class Scheduler:
         self.cache_computed(seq)
 
     def _entry(self, seq: Sequence, n: int) -> ScheduledSeq:
-        start = seq.num_computed
+        start, sp = seq.num_computed, seq.request.sampling
+        sample = start + n == len(seq.token_ids)
+        history = tuple(seq.token_ids[:len(seq.token_ids) - seq.num_pending]) \
+            if sample and sp.needs_history else None
         return ScheduledSeq(seq.request_id, seq.token_ids[start:start + n], start, start,
-                            list(seq.pages), start + n == len(seq.token_ids),
-                            seq.request.sampling)
+                            list(seq.pages), sample, sp, seq.num_output, history)
 
     def schedule(self) -> ScheduledBatch:
         """Pick this step's work and reserve its pages (after applying finished tier work and

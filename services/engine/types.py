@@ -12,6 +12,19 @@ import time
 from dataclasses import dataclass, field
 
 
+MAX_TOP_LOGPROBS = 20                      # OpenAI's bound for top_logprobs
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The log-probability of one sampled token, and the most likely alternatives."""
+
+    token_id: int
+    logprob: float                         # log_softmax of the sampler's logits (after
+                                           # penalties and temperature), natural log
+    top: tuple[tuple[int, float], ...] = ()   # (token id, logprob), best first
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request decoding controls (OpenAI semantics)."""
@@ -24,10 +37,25 @@ class SamplingParams:
     stop: tuple[str, ...] = ()             # stop strings; never included in the output
     stop_token_ids: tuple[int, ...] = ()   # extra stop tokens besides the model's EOS
     ignore_eos: bool = False               # keep going past EOS (benchmarks)
+    min_p: float = 0.0                     # drop tokens below min_p x the top token's probability
+    min_tokens: int = 0                    # EOS and stop tokens are masked until this many
+    presence_penalty: float = 0.0          # subtracted once from every token already generated
+    frequency_penalty: float = 0.0         # subtracted per occurrence in the generated tokens
+    repetition_penalty: float = 1.0        # divides (>0) / multiplies (<0) logits of seen tokens
+                                           # (prompt and output), as in HF and vLLM
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias added to its logit)
+    logprobs: int | None = None            # None: off; N: the chosen token's logprob + top N
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def needs_history(self) -> bool:
+        """The logits depend on the tokens so far (penalties) or on how many were generated
+        (min_tokens): the sampler needs them from the host, so such steps are not overlapped."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0 or self.min_tokens > 0)
 
     def check(self) -> None:
         """Raise InvalidRequestError for controls no sampler accepts (checked once, when the
@@ -42,6 +70,22 @@ class SamplingParams:
             raise InvalidRequestError("top_p must be in (0, 1]", param="top_p")
         if self.top_k == 0 or self.top_k < -1:
             raise InvalidRequestError("top_k must be -1 (off) or >= 1", param="top_k")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidRequestError("min_p must be in [0, 1]", param="min_p")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidRequestError("min_tokens must be in [0, max_tokens]", param="min_tokens")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise InvalidRequestError(f"{name} must be in [-2, 2]", param=name)
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise InvalidRequestError("repetition_penalty must be in (0, 2]",
+                                      param="repetition_penalty")
+        if any(not -100.0 <= b <= 100.0 for _, b in self.logit_bias):
+            raise InvalidRequestError("logit_bias values must be in [-100, 100]",
+                                      param="logit_bias")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidRequestError(f"top logprobs must be in [0, {MAX_TOP_LOGPROBS}]",
+                                      param="top_logprobs")
 
 
 class FinishReason(str, enum.Enum):
@@ -84,6 +128,7 @@ class RequestOutput:
     error_type: str | None = None          # that failure's exception class name (services.errors),
                                            # e.g. RequestFaultError (this request alone) or
                                            # DeviceFaultError (the engine is dead)
+    logprobs: list[TokenLogprob] | None = None   # one per new token, when asked for
 
 
 @dataclass(frozen=True)
@@ -97,6 +142,8 @@ class ScheduledSeq:
     block_table: list[int]                 # the handle's page ids, covering start_pos + len(token_ids)
     sample: bool                           # True when this step's last token produces a new token
     sampling: SamplingParams               # how to pick that token
+    num_output: int = 0                    # tokens the request has generated so far (min_tokens)
+    history: tuple[int, ...] | None = None  # prompt + generated tokens, for penalties only
 
 
 @dataclass(frozen=True)
@@ -117,3 +164,4 @@ class WorkerOutput:
     sampled: dict[str, int]                # request_id -> new token, for seqs with sample=True
     failed: dict[str, str] = field(default_factory=dict)  # request_id -> why its row was unusable
                                            # (non-finite logits); such a request has no token
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)  # rows that asked for them

@@ -19,6 +19,7 @@ class FaultyRunner(ModelRunner):
     def __init__(self, base: ModelRunner, raise_for=(), nan_for=(),
                  exc: Exception | None = None):
         super().__init__(base.model, base.backend, base.device, base.graphs)
+        self.eos_ids = base.eos_ids
         self.raise_for, self.nan_for = set(raise_for), set(nan_for)
         self.exc = exc or RuntimeError("injected fault")
         self.executions = 0
