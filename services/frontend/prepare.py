@@ -90,7 +90,8 @@ def check_prompt_chars(n_chars: int, context_length: int, param: str) -> None:
             code="context_length_exceeded")
 
 
-def sampling_params(body: SamplingFields, max_tokens: int) -> SamplingParams:
+def sampling_params(body: SamplingFields, max_tokens: int,
+                    logprobs: int | None = None) -> SamplingParams:
     stop = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
     return SamplingParams(
         max_tokens=max_tokens,
@@ -101,19 +102,49 @@ def sampling_params(body: SamplingFields, max_tokens: int) -> SamplingParams:
         stop=tuple(s for s in stop if s),
         stop_token_ids=tuple(body.stop_token_ids or ()),
         ignore_eos=bool(body.ignore_eos),
+        min_p=body.min_p or 0.0,
+        min_tokens=min(body.min_tokens or 0, max_tokens),
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        repetition_penalty=body.repetition_penalty or 1.0,
+        logit_bias=logit_bias(body.logit_bias),
+        logprobs=logprobs,
     )
 
 
+def logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``{"token id": bias}`` -> ``((id, bias), ...)``; a key that is no token id
+    is a 400 (the vocabulary bound is checked with the prompt's ids)."""
+    out = []
+    for key, value in (bias or {}).items():
+        if not key.isdigit() or len(key) > 9:
+            raise InvalidRequestError(f"logit_bias keys must be token ids, got {key!r}",
+                                      param="logit_bias")
+        out.append((int(key), float(value)))
+    return tuple(out)
+
+
 def _finish_prepare(engine: EngineClient, body: SamplingFields, ids: list[int], max_tokens: int | None,
-                    param: str, prefix: str, fmt_cls: type[Formatter]) -> Prepared:
+                    param: str, prefix: str, fmt_cls: type[Formatter],
+                    logprobs: int | None = None) -> Prepared:
     max_tokens = resolve_max_tokens(max_tokens, len(ids), engine.context_length, param)
     rid = new_request_id(prefix)
     stream = bool(body.stream)
     include_usage = stream and bool(body.stream_options and body.stream_options.include_usage)
-    gen_req = GenerateRequest(request_id=rid, prompt_token_ids=ids,
-                              sampling=sampling_params(body, max_tokens),
+    sampling = sampling_params(body, max_tokens, logprobs)
+    check_token_ids(engine.tokenizer, [t for t, _ in sampling.logit_bias], "logit_bias")
+    gen_req = GenerateRequest(request_id=rid, prompt_token_ids=ids, sampling=sampling,
                               cache_salt=body.cache_salt)
-    return Prepared(gen_req, stream, fmt_cls(rid, engine.model_name, include_usage))
+    fmt = fmt_cls(rid, engine.model_name, include_usage,
+                  token_text(engine.tokenizer) if logprobs is not None else None)
+    return Prepared(gen_req, stream, fmt)
+
+
+def token_text(tokenizer: Any):
+    """``id -> str``: one token's text as logprobs report it (its own decode)."""
+    def text(token_id: int) -> str:
+        return tokenizer.decode([token_id], skip_special_tokens=False)
+    return text
 
 
 def completion_prompt_ids(tokenizer: Any, prompt: str | list, context_length: int) -> list[int]:
@@ -140,15 +171,13 @@ def prepare_completion(engine: EngineClient, body: CompletionRequest) -> Prepare
     _check_common(body)
     if body.echo:
         raise InvalidRequestError("echo is not supported", param="echo")
-    if body.logprobs:
-        raise InvalidRequestError("logprobs are not supported", param="logprobs")
     if body.best_of not in (None, 1):
         raise InvalidRequestError("best_of must be 1", param="best_of")
     if body.suffix:
         raise InvalidRequestError("suffix is not supported", param="suffix")
     ids = completion_prompt_ids(engine.tokenizer, body.prompt, engine.context_length)
     return _finish_prepare(engine, body, ids, body.max_tokens, "prompt", "cmpl",
-                           CompletionFormatter)
+                           CompletionFormatter, body.logprobs)
 
 
 def chat_messages(body: ChatCompletionRequest) -> list[dict[str, str]]:
@@ -173,12 +202,13 @@ def chat_messages(body: ChatCompletionRequest) -> list[dict[str, str]]:
 def prepare_chat(engine: EngineClient, body: ChatCompletionRequest) -> Prepared:
     check_model(engine, body.model)
     _check_common(body)
-    if body.logprobs:
-        raise InvalidRequestError("logprobs are not supported", param="logprobs")
+    if body.top_logprobs is not None and not body.logprobs:
+        raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs")
     messages = chat_messages(body)
     check_prompt_chars(sum(len(m["content"]) for m in messages), engine.context_length,
                        "messages")
     text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     ids = list(engine.tokenizer.encode(text, add_special_tokens=False))
     max_tokens = body.max_completion_tokens or body.max_tokens
-    return _finish_prepare(engine, body, ids, max_tokens, "messages", "chatcmpl", ChatFormatter)
+    return _finish_prepare(engine, body, ids, max_tokens, "messages", "chatcmpl", ChatFormatter,
+                           (body.top_logprobs or 0) if body.logprobs else None)

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Callable, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
 
-from ..engine.types import FinishReason, Usage
+from ..engine.types import FinishReason, TokenLogprob, Usage
 
 
 def valid_unicode(text: str) -> str:
@@ -81,8 +81,14 @@ def _text_part(kind: str) -> str:
 
 OneChoice = only(Int, 1, "n must be 1: several choices per request are not supported")
 NoEcho = only(bool, False, "echo is not supported")
-NoLogprobs = only(Int, 0, "logprobs are not supported")
-NoChatLogprobs = only(bool, False, "logprobs are not supported")
+NoTools = only(list, [], "tools (tool calling) are not supported yet")
+NoToolChoice = only(Text, "none", "tool_choice is not supported yet (tool calling)")
+TextFormat = only(dict, {"type": "text"},
+                  "response_format is not supported yet (structured outputs); only "
+                  "{\"type\": \"text\"}")
+CompletionLogprobs = whole(ge=0, le=5)         # OpenAI's bound for /v1/completions
+TopLogprobs = whole(ge=0, le=20)
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 OneBestOf = only(Int, 1, "best_of must be 1")
 NoSuffix = only(str, "", "suffix is not supported")
 PartType = Annotated[str, AfterValidator(_text_part), WithJsonSchema({"const": "text"})]
@@ -116,12 +122,21 @@ class SamplingFields(_Request):
     ignore_eos: bool | None = False                   # extension (benchmarks)
     user: Text | None = None
     cache_salt: Text | None = None                    # extension: tenant namespace for prefix reuse
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)   # extension (vLLM)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)                 # extension (vLLM)
+    min_tokens: Annotated[int, Field(ge=0)] | None = None             # extension (vLLM)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    tools: NoTools = None
+    tool_choice: NoToolChoice = None
+    response_format: TextFormat = None
 
 
 class CompletionRequest(SamplingFields):
     prompt: Prompt
     echo: NoEcho = False
-    logprobs: NoLogprobs = None
+    logprobs: CompletionLogprobs | None = None
     best_of: OneBestOf = None
     suffix: NoSuffix = None
 
@@ -140,8 +155,8 @@ class ChatMessage(_Request):
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Positive | None = None   # wins over max_tokens
-    logprobs: NoChatLogprobs = False
-    top_logprobs: Int | None = None
+    logprobs: bool | None = False
+    top_logprobs: TopLogprobs | None = None
 
 
 def new_request_id(prefix: str) -> str:
@@ -177,11 +192,18 @@ class Formatter:
     object_full: str
     object_chunk: str
 
-    def __init__(self, request_id: str, model: str, include_usage: bool = False):
+    def __init__(self, request_id: str, model: str, include_usage: bool = False,
+                 token_text: Callable[[int], str] | None = None):
         self.request_id = request_id
         self.model = model
         self.created = int(time.time())
         self.include_usage = include_usage   # streaming only: usage null per chunk + final usage chunk
+        self.token_text = token_text         # set when the request asked for logprobs
+        self.offset = 0                      # completions: text offset of the next token
+
+    def logprobs(self, lps: list[TokenLogprob] | None) -> dict[str, Any] | None:
+        """The endpoint's ``logprobs`` object for ``lps`` (None when not asked for)."""
+        return None
 
     def _envelope(self, obj: str, choices: list[dict], usage: Any = ...) -> dict[str, Any]:
         out = {"id": self.request_id, "object": obj, "created": self.created,
@@ -200,13 +222,14 @@ class Formatter:
     def start_chunks(self) -> list[dict[str, Any]]:
         return []
 
-    def text_chunk(self, text: str) -> dict[str, Any]:
+    def text_chunk(self, text: str, lps: list[TokenLogprob] | None = None) -> dict[str, Any]:
         raise NotImplementedError
 
     def finish_chunk(self, reason: FinishReason | None) -> dict[str, Any]:
         raise NotImplementedError
 
-    def full(self, text: str, reason: FinishReason | None, usage: Usage) -> dict[str, Any]:
+    def full(self, text: str, reason: FinishReason | None, usage: Usage,
+             lps: list[TokenLogprob] | None = None) -> dict[str, Any]:
         raise NotImplementedError
 
 
@@ -216,18 +239,32 @@ class CompletionFormatter(Formatter):
     object_full = object_chunk = "text_completion"
 
     @staticmethod
-    def _choice(text: str, reason: str | None) -> dict[str, Any]:
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+    def _choice(text: str, reason: str | None, logprobs: dict | None = None) -> dict[str, Any]:
+        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}
 
-    def text_chunk(self, text: str) -> dict[str, Any]:
-        return self.chunk(self._choice(text, None))
+    def logprobs(self, lps: list[TokenLogprob] | None) -> dict[str, Any] | None:
+        """``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`` (legacy shape)."""
+        if self.token_text is None or lps is None:
+            return None
+        tokens = [self.token_text(lp.token_id) for lp in lps]
+        offsets = []
+        for t in tokens:
+            offsets.append(self.offset)
+            self.offset += len(t)
+        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
+                "top_logprobs": [{self.token_text(t): v for t, v in lp.top} for lp in lps],
+                "text_offset": offsets}
+
+    def text_chunk(self, text: str, lps: list[TokenLogprob] | None = None) -> dict[str, Any]:
+        return self.chunk(self._choice(text, None, self.logprobs(lps)))
 
     def finish_chunk(self, reason: FinishReason | None) -> dict[str, Any]:
         return self.chunk(self._choice("", finish_reason_str(reason)))
 
-    def full(self, text: str, reason: FinishReason | None, usage: Usage) -> dict[str, Any]:
-        return self._envelope(self.object_full, [self._choice(text, finish_reason_str(reason))],
-                              usage_dict(usage))
+    def full(self, text: str, reason: FinishReason | None, usage: Usage,
+             lps: list[TokenLogprob] | None = None) -> dict[str, Any]:
+        choice = self._choice(text, finish_reason_str(reason), self.logprobs(lps or []))
+        return self._envelope(self.object_full, [choice], usage_dict(usage))
 
 
 class ChatFormatter(Formatter):
@@ -236,19 +273,35 @@ class ChatFormatter(Formatter):
     object_full = "chat.completion"
     object_chunk = "chat.completion.chunk"
 
-    def _delta(self, delta: dict, reason: str | None) -> dict[str, Any]:
-        return self.chunk({"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason})
+    def _delta(self, delta: dict, reason: str | None, logprobs: dict | None = None
+               ) -> dict[str, Any]:
+        return self.chunk({"index": 0, "delta": delta, "logprobs": logprobs,
+                           "finish_reason": reason})
+
+    def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
+        text = self.token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    def logprobs(self, lps: list[TokenLogprob] | None) -> dict[str, Any] | None:
+        """``{"content": [{token, logprob, bytes, top_logprobs}], "refusal": None}``."""
+        if self.token_text is None or lps is None:
+            return None
+        return {"content": [{**self._entry(lp.token_id, lp.logprob),
+                             "top_logprobs": [self._entry(t, v) for t, v in lp.top]}
+                            for lp in lps], "refusal": None}
 
     def start_chunks(self) -> list[dict[str, Any]]:
         return [self._delta({"role": "assistant", "content": ""}, None)]
 
-    def text_chunk(self, text: str) -> dict[str, Any]:
-        return self._delta({"content": text}, None)
+    def text_chunk(self, text: str, lps: list[TokenLogprob] | None = None) -> dict[str, Any]:
+        return self._delta({"content": text}, None, self.logprobs(lps))
 
     def finish_chunk(self, reason: FinishReason | None) -> dict[str, Any]:
         return self._delta({}, finish_reason_str(reason))
 
-    def full(self, text: str, reason: FinishReason | None, usage: Usage) -> dict[str, Any]:
+    def full(self, text: str, reason: FinishReason | None, usage: Usage,
+             lps: list[TokenLogprob] | None = None) -> dict[str, Any]:
         choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-                  "logprobs": None, "finish_reason": finish_reason_str(reason)}
+                  "logprobs": self.logprobs(lps or []),
+                  "finish_reason": finish_reason_str(reason)}
         return self._envelope(self.object_full, [choice], usage_dict(usage))

@@ -23,7 +23,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from ..engine.client import EngineClient
-from ..engine.types import RequestOutput
+from ..engine.types import RequestOutput, TokenLogprob
 from ..errors import NibbleError
 from ..frontend.errors import EngineOutputError
 from ..frontend.prepare import Prepared
@@ -69,17 +69,19 @@ async def _first_output(gen: AsyncIterator[RequestOutput]) -> RequestOutput:
         raise EngineOutputError("the engine ended the request without any output") from None
 
 
-async def _collect(gen: AsyncIterator[RequestOutput]) -> tuple[str, RequestOutput]:
-    parts, last = [], None
+async def _collect(gen: AsyncIterator[RequestOutput]
+                   ) -> tuple[str, RequestOutput, list[TokenLogprob]]:
+    parts, last, lps = [], None, []
     async with contextlib.aclosing(gen):
         async for out in gen:
             parts.append(out.text_delta)
+            lps += out.logprobs or []
             last = out
             if out.finished:
                 break
     if last is None or not last.finished:
         raise EngineOutputError("the engine ended the request without finishing it")
-    return "".join(parts), last
+    return "".join(parts), last, lps
 
 
 def _sse(obj: dict[str, Any]) -> str:
@@ -118,8 +120,8 @@ async def _sse_stream(p: Prepared, gen: AsyncIterator[RequestOutput], first: Req
                 if out.finished:
                     guard.finish()
                 raise EngineOutputError(out.error)
-            if out.text_delta:
-                yield _sse(fmt.text_chunk(out.text_delta))
+            if out.text_delta or out.logprobs:
+                yield _sse(fmt.text_chunk(out.text_delta, out.logprobs))
             if out.finished:
                 break
             out = await gen.__anext__()
@@ -158,7 +160,7 @@ async def respond(engine: EngineClient, request: Request, p: Prepared, track: Tr
         if p.stream:
             first = await race_disconnect(request, _first_output(gen))
         else:
-            text, last = await race_disconnect(request, _collect(gen))
+            text, last, lps = await race_disconnect(request, _collect(gen))
     except (ClientDisconnected, asyncio.CancelledError, EngineOutputError):
         await guard()
         raise
@@ -171,5 +173,5 @@ async def respond(engine: EngineClient, request: Request, p: Prepared, track: Tr
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     if last.error:
         raise EngineOutputError(last.error)
-    return JSONResponse(p.fmt.full(text, last.finish_reason, last.usage))
+    return JSONResponse(p.fmt.full(text, last.finish_reason, last.usage, lps))
 

@@ -147,6 +147,44 @@ def _wait_idle(server, timeout: float = 10) -> dict:
 LONG = {"messages": CAPITAL, "max_tokens": 3000, "ignore_eos": True}
 
 
+def test_chat_logprobs_streamed_and_not(client, model):
+    kw = dict(model=model, messages=CAPITAL, temperature=0, max_tokens=8, logprobs=True,
+              top_logprobs=3)
+    r = client.chat.completions.create(**kw)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    for e in content:
+        assert e.logprob <= 0 and len(e.top_logprobs) == 3
+        assert e.top_logprobs[0].token == e.token           # greedy: the top token
+        assert e.top_logprobs[0].logprob == pytest.approx(e.logprob, abs=1e-5)
+    assert "".join(e.token for e in content).strip() == r.choices[0].message.content.strip()
+    streamed = [e for c in client.chat.completions.create(stream=True, **kw)
+                if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in content]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-4)
+
+
+def test_completion_logprobs_and_logit_bias(client, model):
+    r = client.completions.create(model=model, prompt="The capital of France is", max_tokens=5,
+                                  temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    assert lp.text_offset == sorted(lp.text_offset) and all(len(t) == 2 for t in lp.top_logprobs)
+    forced = lp.tokens and client.completions.create(
+        model=model, prompt="The capital of France is", max_tokens=3, temperature=0,
+        logprobs=0, logit_bias={"42": 100})
+    assert forced.choices[0].logprobs.tokens == [forced.choices[0].logprobs.tokens[0]] * 3
+    assert forced.usage.completion_tokens == 3
+
+
+def test_unsupported_agent_fields_are_400_naming_them(client, model):
+    for extra, field in (({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+                         ({"response_format": {"type": "json_object"}}, "response_format")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=model, messages=CAPITAL, max_tokens=4, **extra)
+        assert field in str(e.value)
+
+
 def test_client_disconnect_mid_stream_aborts(server):
     with httpx.stream("POST", f"{server.url}/v1/chat/completions", json={**LONG, "stream": True},
                       timeout=120) as r:

@@ -66,7 +66,11 @@ def test_prompt_leaving_no_room_without_max_tokens(client):
      "stream_options.include_usage"),
     ("/v1/completions", {"prompt": "a", "n": 2}, "n"),
     ("/v1/completions", {"prompt": "a", "echo": True}, "echo"),
-    ("/v1/completions", {"prompt": "a", "logprobs": 2}, "logprobs"),
+    ("/v1/completions", {"prompt": "a", "logprobs": 6}, "logprobs"),
+    ("/v1/completions", {"prompt": "a", "logit_bias": {"x": 1.0}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "a", "logit_bias": {"5": 101.0}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "a", "presence_penalty": 2.5}, "presence_penalty"),
+    ("/v1/completions", {"prompt": "a", "min_p": 1.5}, "min_p"),
     ("/v1/completions", {"prompt": "a", "best_of": 3}, "best_of"),
     ("/v1/completions", {"prompt": ""}, "prompt"),
     ("/v1/completions", {"prompt": []}, "prompt"),
@@ -85,7 +89,14 @@ def test_prompt_leaving_no_room_without_max_tokens(client):
     ("/v1/chat/completions", {"messages": USER, "max_completion_tokens": 0},
      "max_completion_tokens"),
     ("/v1/chat/completions", {"messages": USER, "n": 3}, "n"),
-    ("/v1/chat/completions", {"messages": USER, "logprobs": True}, "logprobs"),
+    ("/v1/chat/completions", {"messages": USER, "top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": USER, "logprobs": True, "top_logprobs": 21},
+     "top_logprobs"),
+    ("/v1/chat/completions", {"messages": USER, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {}}}]}, "tools"),
+    ("/v1/chat/completions", {"messages": USER, "tool_choice": "required"}, "tool_choice"),
+    ("/v1/chat/completions", {"messages": USER, "response_format": {"type": "json_object"}},
+     "response_format"),
 ])
 def test_bad_requests_are_400_with_the_param(client, engine, path, body, param):
     err = assert_error(client.post(path, json=body), 400, "invalid_request_error", param)
