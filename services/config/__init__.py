@@ -18,12 +18,12 @@ from collections.abc import Mapping
 
 from ..errors import ConfigError
 from .flags import Alias, Choices, FlagSpec, add_slice_args, alias_flags, build_slice, flag, specs
-from .tree import (DEFAULT_GRPC_PORT, DEFAULT_PORT, EXPERIMENTAL_FLAG, CacheConfig, DeviceConfig,
+from .tree import (DEFAULT_GRPC_PORT, DEFAULT_PORT, EXPERIMENTAL_FLAG, CacheConfig, DeviceConfig, SamplingConfig,
                    DisaggConfig, HiCacheConfig, ModelConfig, NibbleConfig, SchedulerConfig,
                    ServerConfig)
 from .validate import validate
 
-__all__ = ["DEFAULT_GRPC_PORT", "DEFAULT_PORT", "EXPERIMENTAL_FLAG", "Alias", "CacheConfig",
+__all__ = ["DEFAULT_GRPC_PORT", "DEFAULT_PORT", "EXPERIMENTAL_FLAG", "Alias", "CacheConfig", "SamplingConfig",
            "Choices", "ConfigError", "DeviceConfig", "DisaggConfig", "FlagSpec", "HiCacheConfig",
            "ModelConfig", "NibbleConfig", "SchedulerConfig", "ServerConfig", "add_engine_args",
            "add_server_args", "config_from_args", "flag", "flag_aliases", "slices", "specs",

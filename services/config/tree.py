@@ -259,6 +259,19 @@ class ServerConfig:
         16 << 20, help="largest HTTP request body and gRPC message accepted")
 
 
+def grammar_backend_choices() -> list[str]:
+    from ..engine.grammar import grammar_backend_names
+    return grammar_backend_names()
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    grammar_backend: str = flag(
+        "xgrammar", choices=grammar_backend_choices,
+        help="structured outputs (response_format json_object / json_schema, regex, ebnf): "
+             "the grammar engine that masks the sampler's tokens; none refuses them")
+
+
 def _slice(cls, title: str, args: str):
     return field(default_factory=cls, metadata={"title": title, "args": args})
 
@@ -276,3 +289,4 @@ class NibbleConfig:
     disagg: DisaggConfig = _slice(DisaggConfig, "disaggregated serving (Ray)", "engine")
     device: DeviceConfig = _slice(DeviceConfig, "device", "engine")
     server: ServerConfig = _slice(ServerConfig, "server", "server")
+    sampling: SamplingConfig = _slice(SamplingConfig, "sampling", "engine")

@@ -23,6 +23,8 @@ from ..config import CacheConfig, DeviceConfig, NibbleConfig
 from ..errors import ConfigError
 from .cuda_graph import DecodeGraphRunner
 from .engine import EngineCore
+from .grammar import (GrammarBackend, GrammarError, create_grammar_backend,
+                      grammar_backend_names, share_backend)
 from .model_runner import ModelRunner
 from .tier_setup import build_tiers, load_secret
 
@@ -185,8 +187,24 @@ def build_engine_core(model, tokenizer, cfg: NibbleConfig, *, device: torch.devi
                                 inject.static_decode_path)
     overlap = inject.overlap if inject.overlap is not None else (
         device.type == "cuda" and not cfg.scheduler.disable_overlap_schedule)
-    return EngineCore(ModelRunner(model, backend, device, graphs), pool, tokenizer,
-                      cfg.scheduler, context, cache, tiers, overlap=overlap)
+    runner = ModelRunner(model, backend, device, graphs)
+    runner.grammar = build_grammar(cfg.sampling.grammar_backend, tokenizer, arch.vocab_size)
+    return EngineCore(runner, pool, tokenizer, cfg.scheduler, context, cache, tiers,
+                      overlap=overlap)
+
+
+def build_grammar(name: str, tokenizer, vocab_size: int) -> GrammarBackend | None:
+    """The --grammar-backend for ``tokenizer`` over ``vocab_size`` logits, shared with the
+    frontend (which compiles a request's grammar while preparing it); None for ``none`` or
+    a tokenizer without a vocabulary (the test tokenizers)."""
+    grammar_backend_names()          # registers the importable backends
+    try:
+        backend = create_grammar_backend(name, tokenizer, vocab_size)
+    except GrammarError as exc:
+        log.info("structured outputs off: %s", exc)
+        backend = None
+    share_backend(tokenizer, backend)
+    return backend
 
 
 def build_parts(cfg: NibbleConfig) -> EngineParts:

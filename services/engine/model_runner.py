@@ -6,6 +6,7 @@ import torch
 
 from ..attention import AttentionBackend, AttentionMetadata
 from .cuda_graph import DecodeGraphRunner
+from .grammar import GrammarBackend, GrammarError, Matcher
 from .logits_process import StepLogprobs, logprobs_of, process_logits
 from .sampling import make_generator, sample
 from .step_inputs import kv_slots, padded_block_tables, positions_of
@@ -31,10 +32,13 @@ class ModelRunner:
         self.graphs = graphs
         self._generators: dict[str, torch.Generator | None] = {}
         self.eos_ids: frozenset[int] = frozenset()   # set by the engine (min_tokens masks them)
+        self.grammar: GrammarBackend | None = None   # set by the builder (--grammar-backend)
+        self._matchers: dict[str, Matcher] = {}
 
     def release(self, request_id: str) -> None:
-        """Forget a finished request's RNG."""
+        """Forget a finished request's RNG and grammar state."""
         self._generators.pop(request_id, None)
+        self._matchers.pop(request_id, None)
 
     def _metadata(self, seqs: list[ScheduledSeq], page_size: int, pos: torch.Tensor,
                   rows: torch.Tensor) -> AttentionMetadata:
@@ -90,6 +94,10 @@ class ModelRunner:
         """
         tokens_dev, lps = self.sample_tokens(picked, logits)
         tokens = tokens_dev.tolist()
+        for s, t in zip(picked, tokens):
+            matcher = self._matchers.get(s.request_id)
+            if matcher is not None and t >= 0 and not matcher.accept(t):
+                raise GrammarError(f"{s.request_id}: the grammar refused token {t} it allowed")
         sampled = {s.request_id: t for s, t in zip(picked, tokens) if t >= 0}
         failed = {s.request_id: "non-finite logits (NaN or inf)"
                   for s, t in zip(picked, tokens) if t < 0}
@@ -109,5 +117,23 @@ class ModelRunner:
             gens.append(self._generators[s.request_id])
         bad = ~torch.isfinite(logits).all(dim=-1)
         clean = process_logits(logits.masked_fill(bad.unsqueeze(1), 0.0), picked, self.eos_ids)
-        tokens = sample(clean, [s.sampling for s in picked], gens).masked_fill(bad, -1)
+        masked = self._grammar_mask(picked, clean)
+        tokens = sample(masked, [s.sampling for s in picked], gens).masked_fill(bad, -1)
         return tokens, logprobs_of(clean, picked, tokens)
+
+    def _grammar_mask(self, picked: list[ScheduledSeq], logits: torch.Tensor) -> torch.Tensor:
+        """``logits`` with each grammar row's disallowed tokens at -inf (a copy; the
+        logprobs are reported from the unmasked logits, as OpenAI does)."""
+        rows = [i for i, s in enumerate(picked) if s.sampling.grammar is not None]
+        if not rows:
+            return logits
+        if self.grammar is None:
+            raise GrammarError("structured outputs need --grammar-backend xgrammar")
+        mask = self.grammar.new_mask(len(picked))
+        for i in rows:
+            s = picked[i]
+            matcher = self._matchers.get(s.request_id)
+            if matcher is None:
+                matcher = self._matchers[s.request_id] = self.grammar.matcher(s.sampling.grammar)
+            matcher.fill_mask(mask, i)
+        return self.grammar.apply(logits.clone(), mask)

@@ -70,10 +70,10 @@ class HostRing:
 
 def is_pure_decode(batch: ScheduledBatch, seqs: dict) -> bool:
     """Every entry runs one generated token and samples (no prefill chunk, no first token),
-    and no entry's sampling needs the host's token history (penalties, min_tokens)."""
+    and no entry's sampling needs the host's tokens (penalties, min_tokens, a grammar)."""
     return bool(batch.seqs) and all(
         len(e.token_ids) == 1 and e.sample and e.start_pos >= seqs[e.request_id].num_prompt
-        and not e.sampling.needs_history for e in batch.seqs)
+        and e.sampling.overlappable for e in batch.seqs)
 
 
 class OverlapStepper:

@@ -11,6 +11,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from .grammar_spec import GrammarSpec
+
 
 MAX_TOP_LOGPROBS = 20                      # OpenAI's bound for top_logprobs
 
@@ -45,10 +47,17 @@ class SamplingParams:
                                            # (prompt and output), as in HF and vLLM
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias added to its logit)
     logprobs: int | None = None            # None: off; N: the chosen token's logprob + top N
+    grammar: GrammarSpec | None = None     # structured output: what the text must match
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def overlappable(self) -> bool:
+        """A step of this request may be launched before the previous one's token reaches
+        the host (no penalties, min_tokens or grammar: those need the host's tokens)."""
+        return not self.needs_history and self.grammar is None
 
     @property
     def needs_history(self) -> bool:

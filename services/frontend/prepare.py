@@ -11,10 +11,13 @@ API (which converts its messages to the same request models) both use them.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
 from ..engine.client import EngineClient
+from ..engine.grammar import backend_for
+from ..engine.grammar_spec import GrammarSpec
 from ..engine.types import GenerateRequest, SamplingParams
 from ..errors import ContextLengthExceededError, InvalidRequestError, ModelNotFoundError
 from .protocol import (ChatCompletionRequest, ChatFormatter, CompletionFormatter,
@@ -90,8 +93,40 @@ def check_prompt_chars(n_chars: int, context_length: int, param: str) -> None:
             code="context_length_exceeded")
 
 
-def sampling_params(body: SamplingFields, max_tokens: int,
-                    logprobs: int | None = None) -> SamplingParams:
+def grammar_spec(engine: EngineClient, body: SamplingFields) -> GrammarSpec | None:
+    """The request's structured-output constraint, compiled here (off the engine thread,
+    cached by spec): ``response_format`` json_object / json_schema, or ``regex`` / ``ebnf``.
+    A 400 when several are given, when it does not compile, or when grammars are off."""
+    rf = body.response_format
+    given = []
+    if rf is not None and rf.type == "json_object":
+        given.append(("response_format", GrammarSpec("json_object")))
+    elif rf is not None and rf.type == "json_schema":
+        if rf.json_schema is None or rf.json_schema.schema_ is None:
+            raise InvalidRequestError("response_format json_schema needs json_schema.schema",
+                                      param="response_format")
+        given.append(("response_format", GrammarSpec(
+            "json_schema", json.dumps(rf.json_schema.schema_, sort_keys=True),
+            bool(rf.json_schema.strict))))
+    for name in ("regex", "ebnf"):
+        if getattr(body, name) is not None:
+            given.append((name, GrammarSpec(name, getattr(body, name))))
+    if not given:
+        return None
+    if len(given) > 1:
+        raise InvalidRequestError(f"give one of {', '.join(n for n, _ in given)}, not several",
+                                  param=given[1][0])
+    param, spec = given[0]
+    backend = backend_for(engine.tokenizer)
+    if backend is None:
+        raise InvalidRequestError(f"{param}: structured outputs are off on this server "
+                                  "(--grammar-backend none)", param=param)
+    backend.compile(spec)
+    return spec
+
+
+def sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None = None,
+                    grammar: GrammarSpec | None = None) -> SamplingParams:
     stop = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
     return SamplingParams(
         max_tokens=max_tokens,
@@ -109,6 +144,7 @@ def sampling_params(body: SamplingFields, max_tokens: int,
         repetition_penalty=body.repetition_penalty or 1.0,
         logit_bias=logit_bias(body.logit_bias),
         logprobs=logprobs,
+        grammar=grammar,
     )
 
 
@@ -131,7 +167,7 @@ def _finish_prepare(engine: EngineClient, body: SamplingFields, ids: list[int], 
     rid = new_request_id(prefix)
     stream = bool(body.stream)
     include_usage = stream and bool(body.stream_options and body.stream_options.include_usage)
-    sampling = sampling_params(body, max_tokens, logprobs)
+    sampling = sampling_params(body, max_tokens, logprobs, grammar_spec(engine, body))
     check_token_ids(engine.tokenizer, [t for t, _ in sampling.logit_bias], "logit_bias")
     gen_req = GenerateRequest(request_id=rid, prompt_token_ids=ids, sampling=sampling,
                               cache_salt=body.cache_salt)

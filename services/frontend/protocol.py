@@ -83,9 +83,6 @@ OneChoice = only(Int, 1, "n must be 1: several choices per request are not suppo
 NoEcho = only(bool, False, "echo is not supported")
 NoTools = only(list, [], "tools (tool calling) are not supported yet")
 NoToolChoice = only(Text, "none", "tool_choice is not supported yet (tool calling)")
-TextFormat = only(dict, {"type": "text"},
-                  "response_format is not supported yet (structured outputs); only "
-                  "{\"type\": \"text\"}")
 CompletionLogprobs = whole(ge=0, le=5)         # OpenAI's bound for /v1/completions
 TopLogprobs = whole(ge=0, le=20)
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
@@ -99,6 +96,20 @@ Prompt = (NonEmptyText | TokenIds | Annotated[list[NonEmptyText], Field(min_leng
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class JsonSchemaFormat(_Request):
+    name: Text
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+    description: Text | None = None
+
+
+class ResponseFormat(_Request):
+    """OpenAI's ``response_format``: free text, any JSON object, or a JSON schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class StreamOptions(_Request):
@@ -130,7 +141,9 @@ class SamplingFields(_Request):
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     tools: NoTools = None
     tool_choice: NoToolChoice = None
-    response_format: TextFormat = None
+    response_format: ResponseFormat | None = None
+    regex: Text | None = None                         # extension (SGLang): output matches it
+    ebnf: Text | None = None                          # extension (SGLang): an EBNF grammar
 
 
 class CompletionRequest(SamplingFields):
