@@ -9,8 +9,9 @@ transfer merges its (source, destination) pairing into runs adjacent on both
 sides (``page_runs.merge_runs``; one page holds all its layers, so a run is
 one contiguous byte range on each side) and posts one descriptor per run
 (``initialize_xfer`` with run descriptors), plus ``transfer``; with
-``coalesce`` off it posts one prepped descriptor per page
-(``make_prepped_xfer`` with ``skip_desc_merge``, the layout before runs). The transfer's notification message carries the signed
+``coalesce`` off it passes one prepped descriptor per page to
+``make_prepped_xfer`` (the path before runs; NIXL itself then merges
+neighbours adjacent on both sides). The transfer's notification message carries the signed
 ticket, the page-set checksum and the checksum tag that binds it to the ticket
 (``signing.checksum_tag``); NIXL delivers it after the data.
 
@@ -245,8 +246,7 @@ class NixlTransport(KVTransport):
         if not self.coalesce:
             return self._agent.make_prepped_xfer(
                 "WRITE", self._local, np.asarray(src, dtype=np.int32), remote.dlist,
-                np.asarray(ticket.dst_pages, dtype=np.int32), notif_msg=notif,
-                skip_desc_merge=True), len(src)
+                np.asarray(ticket.dst_pages, dtype=np.int32), notif_msg=notif), len(src)
         runs = np.asarray(merge_runs(src, ticket.dst_pages), dtype=np.int64).reshape(-1, 3)
         pn = self.page_nbytes
         local = self._agent.get_xfer_descs(
