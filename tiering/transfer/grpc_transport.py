@@ -16,8 +16,8 @@ protobuf bytes, no protobuf objects): a chunk is joined from views of the
 sender's pool, one contiguous range per run of consecutive source pages
 (``page_runs``), into the message bytes, and the receiver writes the payload
 from the received bytes into each run of consecutive destination pages, one
-copy per run segment. Device pools go through one pinned staging buffer per
-stream on each side.
+copy per run segment. Device pools go through pinned staging buffers on
+both sides (one device copy per run segment).
 Flow control is gRPC's (HTTP/2 windows; the request iterator is pulled only as
 fast as the channel drains), with the chunk size bounding memory per stream.
 Message size limits are set explicitly on both sides.
