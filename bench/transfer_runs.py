@@ -25,7 +25,7 @@ moves it: ``nixl`` (one descriptor per run, ``coalesce``), ``nixl-pages``
 Before any timing, the first (warm-up) write of every case is checked
 bit-identical at the destination (page-set checksums of source and
 destination pages); each figure is the median of ``--reps`` timed writes,
-from ``write_pages`` until the sender's poll says success. MB = 10^6 bytes.
+from ``write_pages`` until the sender's poll says success. GB = 10^9 bytes.
 Writes ``transfer_runs.json`` to ``--out``; loopback only.
 
     python -m nibble.bench.transfer_runs --out out/transfer_runs
