@@ -32,6 +32,7 @@ import torch
 from nibble.kernels import PageLayout
 from nibble.tiering.transfer import (TransferState, TransportUnavailableError, create_transport,
                                      page_set_checksum)
+from nibble.tiering.transfer.grpc_transport import DEFAULT_CHUNK_BYTES
 from nibble.tiering.transfer.loopback import LoopbackPeer, PoolSpec
 
 GEOMETRIES = {
@@ -142,7 +143,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--total-mib", type=int, default=64, help="page bytes per format")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--transports", nargs="+", default=list(TRANSPORTS), choices=TRANSPORTS)
-    ap.add_argument("--chunk-bytes", type=int, default=1 << 20, help="gRPC chunk size")
+    ap.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES,
+                    help="gRPC chunk size")
     ap.add_argument("--geometry", default="smollm2-135m", choices=sorted(GEOMETRIES),
                     help="page shape: the model whose KV pages move")
     ap.add_argument("--device", default="cpu", help="sender's pool (e.g. cuda:0)")

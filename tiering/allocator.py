@@ -5,15 +5,23 @@ objects per page) so that a page can be taken from the head, returned to the
 tail, or removed from the middle in O(1). Freed pages go to the tail, so the
 head is always the least recently freed page; the prefix cache relies on this
 order for LRU eviction.
+
+``allocate_runs`` takes pages as few ascending runs of consecutive ids (a page
+transfer moves a run as one copy or descriptor, see ``page_runs``). It only
+looks at a window of the least recently freed pages and unlinks its choice
+from the middle of the list, so the rest keeps its order and the head stays
+the least recently freed page.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Iterable, NewType
 
 from nibble.kernels.errors import FatalError
 
 from .errors import CacheIntegrityError
+from .page_runs import contiguous_runs
 
 PageId = NewType("PageId", int)
 _NIL = -1
@@ -96,6 +104,41 @@ class PageAllocator:
             self._ref[page] = 1
             out.append(PageId(page))
         return out
+
+    def allocate_runs(self, n: int, slack: float = 1.0) -> list[PageId]:
+        """Take ``n`` pages, refcount 1 each, as few runs of consecutive ids as the free
+        list allows; returned in ascending order.
+
+        Only the window of the ``max(n, ceil(n * slack))`` least recently freed
+        pages is considered; in it, the longest runs are taken first (equal
+        lengths: the one holding the older page), the last one cut to fit.
+        ``slack`` 1 takes exactly the pages ``allocate(n)`` would (eviction
+        order unchanged), only sorted; a larger one lets a page up to that far
+        down the LRU order go first, for longer runs. Raises PageAllocError
+        (nothing taken) when fewer than ``n`` are free.
+        """
+        if n > self._num_free:
+            raise PageAllocError(f"asked for {n} pages, {self._num_free} free")
+        if slack < 1:
+            raise PageAllocError(f"slack must be >= 1, got {slack}")
+        window, age, page = min(self._num_free, max(n, math.ceil(n * slack))), {}, self._head
+        while len(age) < window:
+            age[page] = len(age)
+            page = self._next[page]
+        runs = contiguous_runs(sorted(age))
+        runs.sort(key=lambda r: (-r[1], min(age[p] for p in range(r[0], r[0] + r[1]))))
+        out, left = [], n
+        for start, length in runs:
+            if not left:
+                break
+            take = min(length, left)
+            out.extend(range(start, start + take))
+            left -= take
+        out.sort()
+        for page in out:
+            self._unlink(page)
+            self._ref[page] = 1
+        return [PageId(p) for p in out]
 
     def incref(self, pages: Iterable[PageId]) -> None:
         """Add a reference; a free page is taken off the free list (a cache hit)."""

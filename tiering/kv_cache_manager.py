@@ -19,6 +19,12 @@ Operations (engine thread only):
 * ``reserve(request, hit, ...)``: pages for a whole prompt, for a peer to fill.
 * ``evict(n)``, ``flush()``, ``poll()``, ``stats()``, ``check_integrity()``.
 
+Page order: ``grow`` takes the pages ``allocate`` would, sorted ascending
+(``grow_slack`` 1; None keeps the free list's order), and ``reserve`` looks
+``reserve_slack`` times further down the LRU order for longer runs of
+consecutive ids, so a transfer between two workers moves few runs
+(``page_runs.merge_runs``) instead of one copy or descriptor per page.
+
 Eviction is explicit: this manager owns the pool's one reuse hook
 (``_before_reuse``), so every page the pool hands out first leaves the tree
 (with what hangs below it) and then the tier manager writes back what its
@@ -98,11 +104,15 @@ class Handle:
 
 class KVCacheManager:
     """See the module docstring. ``cache`` None: no prefix reuse; ``tiers`` None: L1 only
-    (``tiers`` needs ``cache``)."""
+    (``tiers`` needs ``cache``). ``grow_slack`` / ``reserve_slack``: the allocator's
+    run window for ``grow`` and ``reserve`` (``PageAllocator.allocate_runs``; None:
+    the free list's order)."""
 
     def __init__(self, pool: KVPool, cache: RadixCache | None = None,
-                 tiers: TierManager | None = None):
+                 tiers: TierManager | None = None, *, grow_slack: float | None = 1.0,
+                 reserve_slack: float | None = 2.0):
         self.pool, self.cache, self.tiers = pool, cache, tiers
+        self.grow_slack, self.reserve_slack = grow_slack, reserve_slack
         self.page_size = pool.layout.page_size
         self._handles: set[Handle] = set()
         pool.set_reuse_hook(self._before_reuse)
@@ -141,12 +151,14 @@ class KVCacheManager:
                                   hit.num_pages, hit.limit)
 
     def admit(self, request: CacheRequest, hit: Hit, max_step_tokens: int, *,
-              headroom: float, future: float, load: bool = True) -> Handle | None:
+              headroom: float, future: float, load: bool = True,
+              slack: float | None = -1) -> Handle | None:
         """Lock ``hit``, load what follows from L2 (``load``), then take pages for the first
         ``min(uncached tokens, max_step_tokens)`` tokens.
 
         ``headroom``: pages the running requests may still claim; ``future``: pages this
-        request may claim after its prompt (both as the scheduler counts them). Refused
+        request may claim after its prompt (both as the scheduler counts them). ``slack``:
+        the run window of the new pages (default ``grow_slack``). Refused
         (None, nothing held; loaded pages stay cached) unless the free pages minus
         ``headroom`` cover the rest of the prompt plus ``future``.
         """
@@ -165,7 +177,8 @@ class KVCacheManager:
         cached = handle.num_pages * self.page_size
         rest = max(0, self.pages_for(tokens) - handle.num_pages)
         if rest + future > self.num_free - headroom or \
-                not self.grow(handle, cached + min(tokens - cached, max_step_tokens)):
+                not self.grow(handle, cached + min(tokens - cached, max_step_tokens),
+                              slack=slack):
             self.release(handle)
             return None
         return handle
@@ -184,9 +197,10 @@ class KVCacheManager:
     def reserve(self, request: CacheRequest, hit: Hit, *, headroom: float,
                 future: float) -> Handle | None:
         """Lock ``hit`` and take pages for the rest of the prompt, for a peer to write
-        (disaggregated decode); None when they do not fit now. No tier load."""
+        (disaggregated decode); None when they do not fit now. No tier load. The new pages
+        come in ascending runs taken with ``reserve_slack``."""
         return self.admit(request, hit, len(request.token_ids), headroom=headroom,
-                          future=future, load=False)
+                          future=future, load=False, slack=self.reserve_slack)
 
     def cancel(self, request: CacheRequest) -> None:
         """Forget ``request``'s pending prefetch (it left the queue); fetched pages stay in L2."""
@@ -194,15 +208,17 @@ class KVCacheManager:
             self.tiers.cancel(request.request_id)
 
     # ---- running ----
-    def grow(self, handle: Handle, num_tokens: int) -> bool:
+    def grow(self, handle: Handle, num_tokens: int, *, slack: float | None = -1) -> bool:
         """Make ``handle`` cover ``num_tokens`` tokens; False (nothing taken) if the pool is
-        short."""
+        short. ``slack``: the run window (default ``grow_slack``; None: list order)."""
         need = self.pages_for(num_tokens) - handle.num_pages
         if need <= 0:
             return True
         if need > self.num_free:
             return False
-        handle._pages.extend(self.pool.allocate(need))
+        slack = self.grow_slack if slack == -1 else slack
+        handle._pages.extend(self.pool.allocate(need) if slack is None else
+                             self.pool.allocate_runs(need, slack))
         return True
 
     def commit(self, handle: Handle, tokens: Sequence[int]) -> None:

@@ -128,5 +128,12 @@ class KVPool:
             self._before_reuse(pages)
         return pages
 
+    def allocate_runs(self, n: int, slack: float = 1.0) -> list[PageId]:
+        """``allocate`` as few ascending runs of page ids (``PageAllocator.allocate_runs``)."""
+        pages = self.allocator.allocate_runs(n, slack)
+        if self._before_reuse is not None:
+            self._before_reuse(pages)
+        return pages
+
     def free(self, pages: list[PageId]) -> None:
         self.allocator.free(pages)

@@ -64,3 +64,41 @@ def test_large_pool_is_constant_time_per_op():
     a.free(pages[::-1])
     a.incref([150_000, 3])           # middle removals
     assert a.num_free == 199_998
+
+
+def _churned(n: int = 12) -> PageAllocator:
+    """Free list [8, 9, 10, 11, 7, 6, 5, 4, 3, 2, 1, 0]: a sequence freed tail-first."""
+    a = PageAllocator(n)
+    a.free(list(reversed(a.allocate(n - 4))))
+    return a
+
+
+def test_allocate_runs_with_slack_1_takes_the_same_pages_sorted():
+    a, b = _churned(), _churned()
+    assert b.allocate(6) == [8, 9, 10, 11, 7, 6]
+    assert a.allocate_runs(6) == [6, 7, 8, 9, 10, 11]
+    assert a.free_list() == b.free_list() == [5, 4, 3, 2, 1, 0]
+    a.check_integrity()
+
+
+def test_allocate_runs_prefers_long_runs_in_the_lru_window():
+    a = PageAllocator(12)
+    held = a.allocate(12)
+    a.free([held[i] for i in (0, 2, 4, 6, 8, 9, 10, 11, 3, 5)])   # holes at 1 and 7
+    # Window of 8 (slack 2): [0, 2, 4, 6, 8, 9, 10, 11] -> run 8..11 first, then the oldest.
+    assert a.allocate_runs(4, slack=2.0) == [8, 9, 10, 11]
+    assert a.free_list() == [0, 2, 4, 6, 3, 5]                  # the rest keeps its order
+    assert a.allocate_runs(3, slack=2.0) == [2, 3, 4]            # 2..6 has 5 free: cut to 3
+    assert a.free_list() == [0, 6, 5]
+    a.check_integrity()
+
+
+def test_allocate_runs_on_a_fresh_list_is_one_run_and_errors_take_nothing():
+    a = PageAllocator(8)
+    assert a.allocate_runs(5, slack=4.0) == [0, 1, 2, 3, 4]
+    with pytest.raises(PageAllocError):
+        a.allocate_runs(4)
+    with pytest.raises(PageAllocError):
+        a.allocate_runs(1, slack=0.5)
+    assert a.free_list() == [5, 6, 7]
+    a.check_integrity()

@@ -4,6 +4,7 @@ drop/evict/flush/reserve sequences, with the cache and tiers off and on, and
 
 from __future__ import annotations
 
+import math
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -147,11 +148,34 @@ class ManagerMachine(RuleBasedStateMachine):
     def reserve_and_install(self, prefix, extra):
         """Disaggregated decode: pages for the whole prompt, filled, then run."""
         req = self._request(prefix, extra, "")
-        h = self.kv.reserve(req, self.kv.match(req), headroom=0, future=0)
+        hit = self.kv.match(req)
+        free = [p for p in self.pool.allocator.free_list() if p not in hit.pages]
+        h = self.kv.reserve(req, hit, headroom=0, future=0)
         if h is not None:
             assert h.num_pages * PS >= len(req.token_ids)
+            self._check_runs(list(h.pages[hit.num_pages:]), free, self.kv.reserve_slack)
             self.kv.commit(h, req.token_ids)
             self.running.append(Running(req, h, len(req.token_ids)))
+
+    @precondition(lambda self: self.running)
+    @rule(i=st.integers(0, 63), n=st.integers(1, 9), slack=st.sampled_from([1.0, 1.5, 3.0]))
+    def grow_in_runs(self, i, n, slack):
+        """A grow with an explicit run window: ascending pages from the LRU window only."""
+        r = self.running[i % len(self.running)]
+        free, before = self.pool.allocator.free_list(), r.handle.num_pages
+        if self.kv.grow(r.handle, r.computed + n, slack=slack):
+            self._check_runs(list(r.handle.pages[before:]), free, slack)
+            r.computed += n
+            while len(r.req.token_ids) < r.computed + 1:
+                r.req.token_ids.append(40 + len(r.req.token_ids) % 3)
+
+    @staticmethod
+    def _check_runs(new: list, free: list, slack) -> None:
+        """``new`` pages came ascending from the run window of the free list ``free``."""
+        if slack is None or not new:
+            return
+        window = free[:max(len(new), math.ceil(len(new) * slack))]
+        assert new == sorted(new) and set(new) <= set(window), (new, window)
 
     @rule()
     def poll(self):
@@ -173,6 +197,14 @@ class NoCache(ManagerMachine):
 class L1Only(ManagerMachine):
     def make(self):
         return KVCacheManager(self.pool, RadixCache(PS, self.pool))
+
+
+class L1FreeListOrder(ManagerMachine):
+    """Grow in the free list's order, reserve with a wide run window."""
+
+    def make(self):
+        return KVCacheManager(self.pool, RadixCache(PS, self.pool), grow_slack=None,
+                              reserve_slack=4.0)
 
 
 class WithTiers(ManagerMachine):
@@ -212,6 +244,7 @@ def _case(machine):
 
 TestNoCache = _case(NoCache)
 TestL1Only = _case(L1Only)
+TestL1FreeListOrder = _case(L1FreeListOrder)
 TestWithTiers = _case(WithTiers)
 TestWriteBack = _case(WriteBack)
 TestWithL3 = _case(WithL3)

@@ -74,6 +74,7 @@ class TransferHandle:
     give_up_at: float        # time.monotonic() after which poll() fails it
     impl: Any = None
     final: TransferStatus | None = None
+    descriptors: int = 0     # transfer descriptors (NIXL) or contiguous copies (gRPC) used
 
     def finish(self, state: TransferState, error: str | None = None) -> TransferStatus:
         if self.final is None:

@@ -27,7 +27,7 @@ import torch
 
 CHUNK = 1 << 15                    # bytes per partial sum
 _MULT_SEED = 0x4E1BB1E
-BATCH_BYTES = {"cuda": 256 << 20, "cpu": 16 << 20}   # pages reduced per pass (int64 temporaries)
+BATCH_BYTES = {"cuda": 256 << 20, "cpu": 8 << 20}  # per pass (8-byte temporaries per byte)
 _multipliers: dict[str, torch.Tensor] = {}
 
 
@@ -49,14 +49,48 @@ def page_bytes(pool_pages: torch.Tensor, page: int) -> memoryview:
     return memoryview(row.contiguous().reshape(-1).numpy()).cast("B")
 
 
-def chunk_sums(pages: torch.Tensor) -> torch.Tensor:
-    """uint8 ``[n, page_nbytes]`` -> int64 ``[n, ceil(page_nbytes / CHUNK)]`` partial sums."""
+def chunk_sums_ref(pages: torch.Tensor) -> torch.Tensor:
+    """uint8 ``[n, page_nbytes]`` -> int64 ``[n, ceil(page_nbytes / CHUNK)]`` partial sums
+    (the definition, in int64; what ``chunk_sums`` computes on devices)."""
     n, nbytes = pages.shape
     pad = -nbytes % CHUNK
     if pad:
         pages = torch.nn.functional.pad(pages, (0, pad))
     x = pages.reshape(n, -1, CHUNK).to(torch.int64)
     return (x * _mults(pages.device)).sum(dim=-1)
+
+
+def _split_mults(device: torch.device) -> torch.Tensor:
+    """float64 ``[CHUNK, 2]``: the multipliers' low and high 20 bits."""
+    key = f"split-{device}"
+    if key not in _multipliers:
+        m = _mults(device)
+        _multipliers[key] = torch.stack([m & ((1 << 20) - 1), m >> 20], 1).to(torch.float64)
+    return _multipliers[key]
+
+
+def chunk_sums(pages: torch.Tensor, work: torch.Tensor | None = None) -> torch.Tensor:
+    """uint8 ``[n, page_nbytes]`` -> int64 ``[n, ceil(page_nbytes / CHUNK)]`` partial sums,
+    equal to ``chunk_sums_ref``.
+
+    On the CPU as a float64 matrix product against the multipliers' low and
+    high 20 bits: every partial sum is an integer below 255 * 2^20 * 2^15 < 2^53,
+    so float64 holds it exactly in any summation order, and
+    ``low + (high << 20)`` rebuilds the int64 sum. ``work``: a reusable float64
+    ``[>= n, ceil(page_nbytes / CHUNK) * CHUNK]`` buffer whose columns past
+    ``page_nbytes`` are zero (made here when None), so no large temporary is
+    allocated (and page-faulted) per call.
+    """
+    if pages.device.type != "cpu":
+        return chunk_sums_ref(pages)
+    n, nbytes = pages.shape
+    cols = -(-nbytes // CHUNK) * CHUNK
+    if work is None or work.shape[0] < n or work.shape[1] != cols:
+        work = torch.zeros(n, cols, dtype=torch.float64)
+    work = work[:n]
+    work[:, :nbytes].copy_(pages)
+    s = (work.view(-1, CHUNK) @ _split_mults(pages.device)).to(torch.int64)
+    return (s[:, 0] + (s[:, 1] << 20)).reshape(n, -1)
 
 
 def page_set_checksum(pool_pages: torch.Tensor, pages: Sequence[int]) -> str:
@@ -71,10 +105,12 @@ def page_set_checksum(pool_pages: torch.Tensor, pages: Sequence[int]) -> str:
     if not pages:
         return h.hexdigest()
     flat = pool_pages.reshape(pool_pages.shape[0], -1)
-    per_batch = max(1, BATCH_BYTES.get(flat.device.type, BATCH_BYTES["cpu"]) //
-                    (8 * flat.shape[1]))
+    cols = -(-flat.shape[1] // CHUNK) * CHUNK
+    per_batch = max(1, BATCH_BYTES.get(flat.device.type, BATCH_BYTES["cpu"]) // (8 * cols))
+    work = (torch.zeros(min(per_batch, len(pages)), cols, dtype=torch.float64)
+            if flat.device.type == "cpu" else None)
     for i in range(0, len(pages), per_batch):
         idx = torch.tensor(pages[i:i + per_batch], dtype=torch.long, device=flat.device)
-        sums = chunk_sums(flat.index_select(0, idx))
+        sums = chunk_sums(flat.index_select(0, idx), work)
         h.update(sums.cpu().numpy().astype("<i8").tobytes())
     return h.hexdigest()

@@ -5,10 +5,19 @@ kv_transfer.proto``) in its own process, on a thread pool, bound to
 ``address`` (default ``127.0.0.1:0``, a free port). A sender calls the
 client-streaming ``WritePages``: the signed ticket first, then the ticket's
 pages in order as one logical byte stream cut into chunks of at most
-``chunk_bytes`` (default 1 MiB; a chunk may span pages). The server checks the
-ticket before any byte lands (PERMISSION_DENIED for a bad signature or an
-unknown/reused ticket, DEADLINE_EXCEEDED once the deadline has passed) and
-writes each chunk straight into the reserved pages of the attached pool.
+``chunk_bytes`` (default 4 MiB, capped by the receiver's ``max_chunk_bytes``; a
+chunk may span pages). The server checks the ticket before any byte lands
+(PERMISSION_DENIED for a bad signature or an unknown/reused ticket,
+DEADLINE_EXCEEDED once the deadline has passed) and writes each chunk
+straight into the reserved pages of the attached pool.
+
+Copies: data messages are encoded and read by ``grpc_wire`` (standard
+protobuf bytes, no protobuf objects): a chunk is joined from views of the
+sender's pool, one contiguous range per run of consecutive source pages
+(``page_runs``), into the message bytes, and the receiver writes the payload
+from the received bytes into each run of consecutive destination pages, one
+copy per run segment. Device pools go through pinned staging buffers on
+both sides (one device copy per run segment).
 Flow control is gRPC's (HTTP/2 windows; the request iterator is pulled only as
 fast as the channel drains), with the chunk size bounding memory per stream.
 Message size limits are set explicitly on both sides.
@@ -32,12 +41,13 @@ Options: ``secret``, ``grace_s``, ``require_checksum`` (see KVTransport),
 ``advertise_host`` (advertise this host with the bound port, for a wildcard
 bind), ``loopback_only``, ``ssl_certfile``, ``ssl_keyfile``, ``ssl_ca_certs``,
 ``ssl_target_name``, ``chunk_bytes`` (what this sender sends),
-``max_chunk_bytes`` (the largest chunk this receiver accepts, default 4 MiB),
+``max_chunk_bytes`` (the largest chunk this receiver accepts, default 16 MiB),
 ``server_threads`` (concurrent incoming streams, default 4).
 """
 
 from __future__ import annotations
 
+import bisect
 import ipaddress
 import time
 from concurrent import futures
@@ -50,15 +60,17 @@ import torch
 from nibble.proto.nibble.v1 import kv_transfer_pb2 as pb
 from nibble.proto.nibble.v1 import kv_transfer_pb2_grpc as pb_grpc
 
+from ..page_runs import contiguous_runs
+from . import grpc_wire
 from .base import KVTransport, TransferHandle, TransferState, TransferStatus, register_transport
-from .checksum import page_bytes, page_set_checksum
+from .checksum import page_set_checksum
 from .endpoint import Endpoint
 from .errors import TicketError, TransferArgumentError, TransportUnavailableError
 from .tickets import RejectReason, TransferTicket
 
-DEFAULT_CHUNK_BYTES = 1 << 20
+DEFAULT_CHUNK_BYTES = 4 << 20
 TLS_TARGET_NAME = "nibble-kv-transfer"
-DEFAULT_MAX_CHUNK_BYTES = 4 << 20
+DEFAULT_MAX_CHUNK_BYTES = 16 << 20
 _HEADER_ROOM = 1 << 20  # the first message's ticket: 4-5 bytes per page id
 
 _CODES = {
@@ -117,39 +129,58 @@ def load_tls(certfile: str | None, keyfile: str | None, ca_certs: str | None
 
 
 class _PageWriter:
-    """Writes one admitted stream, in order, into the ticket's pages of the pool."""
+    """Writes one admitted stream, in order, into the ticket's pages of the pool: each chunk
+    as one copy per run of consecutive destination pages it touches (``copies`` counts)."""
 
     def __init__(self, transport: "GrpcTransport", entry, max_chunk: int):
         self.book, self.entry, self.max_chunk = transport.book, entry, max_chunk
         self.pn = transport.page_nbytes
         self.flat = transport.pool.view(-1)
         self.np = self.flat.numpy() if self.flat.device.type == "cpu" else None
-        self.cursor, self.total = 0, entry.ticket.nbytes
+        self.cursor, self.total, self.copies = 0, entry.ticket.nbytes, 0
+        self.runs = contiguous_runs(entry.ticket.dst_pages)     # (first page, pages)
+        self.run_at = [0]                                       # stream byte of each run
+        for _, n in self.runs:
+            self.run_at.append(self.run_at[-1] + n * self.pn)
+        self._staging: torch.Tensor | None = None
 
-    def write(self, msg: pb.PageChunk) -> None:
-        n, pos = len(msg.data), msg.page_index * self.pn + msg.offset
+    def write(self, msg: grpc_wire.Chunk) -> None:
+        if isinstance(msg, grpc_wire.BadChunk):
+            raise TicketError(RejectReason.INVALID, msg.detail)
+        data = msg.data if isinstance(msg, grpc_wire.RawChunk) else memoryview(msg.data)
+        n, pos = len(data), msg.page_index * self.pn + msg.offset
         if msg.offset >= self.pn or pos != self.cursor:
             raise TicketError(RejectReason.INVALID, f"chunk at page {msg.page_index} offset "
                               f"{msg.offset} is out of order (expected byte {self.cursor})")
         if not 0 < n <= self.max_chunk or pos + n > self.total:
             raise TicketError(RejectReason.INVALID, f"chunk of {n} bytes at byte {pos} exceeds "
                               f"the chunk limit {self.max_chunk} or the ticket's {self.total}")
-        src = np.frombuffer(msg.data, dtype=np.uint8)
-        host = None if self.np is not None else torch.from_numpy(src.copy())
+        src = np.frombuffer(data, dtype=np.uint8)
+        if self.np is None:
+            src = self._stage(src)
         with self.entry.lock:
             if not self.book.is_live(self.entry):
                 raise TicketError(RejectReason.DEADLINE, "the ticket deadline passed mid-stream")
-            done = 0
+            done, r = 0, bisect.bisect_right(self.run_at, pos) - 1
             while done < n:
-                at = pos + done
-                take = min(self.pn - at % self.pn, n - done)
-                dst = self.entry.ticket.dst_pages[at // self.pn] * self.pn + at % self.pn
+                at = pos + done - self.run_at[r]
+                take = min(self.run_at[r + 1] - self.run_at[r] - at, n - done)
+                dst = self.runs[r][0] * self.pn + at
                 if self.np is not None:
                     self.np[dst:dst + take] = src[done:done + take]
                 else:
-                    self.flat[dst:dst + take].copy_(host[done:done + take])
-                done += take
+                    self.flat[dst:dst + take].copy_(src[done:done + take])
+                done, r, self.copies = done + take, r + 1, self.copies + 1
         self.cursor += n
+
+    def _stage(self, src: np.ndarray) -> torch.Tensor:
+        """The payload in pinned host memory, for copies into a device pool."""
+        if self._staging is None or self._staging.numel() < len(src):
+            self._staging = torch.empty(max(len(src), self.max_chunk), dtype=torch.uint8,
+                                        pin_memory=True)
+        host = self._staging[:len(src)]
+        host.numpy()[:] = src
+        return host
 
     def finish(self) -> None:
         if self.cursor != self.total:
@@ -167,7 +198,7 @@ class _Servicer(pb_grpc.KVTransferServicer):
             first = next(request_iterator, None)
         except grpc.RpcError:  # the sender cancelled before its first message
             context.abort(grpc.StatusCode.CANCELLED, "the sender cancelled the stream")
-        if first is None or not first.HasField("ticket"):
+        if not isinstance(first, pb.PageChunk) or not first.HasField("ticket"):
             tr.book.refuse("", "", RejectReason.INVALID, "the first message carries no ticket")
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message must be the ticket")
         ticket = ticket_from_proto(first.ticket)
@@ -230,14 +261,17 @@ class GrpcTransport(KVTransport):
         self.chunk_bytes, self.max_chunk_bytes = int(chunk_bytes), int(max_chunk_bytes)
         self.server_threads = int(server_threads)
         self._server: grpc.Server | None = None
-        self._channels: dict[str, tuple[grpc.Channel, pb_grpc.KVTransferStub]] = {}
+        self._channels: dict[str, tuple[grpc.Channel, grpc.StreamUnaryMultiCallable]] = {}
 
     def _attach(self, pool_pages: torch.Tensor) -> None:
         server = grpc.server(
             futures.ThreadPoolExecutor(self.server_threads, thread_name_prefix="nibble-kv-grpc"),
             options=[("grpc.max_receive_message_length", self.max_chunk_bytes + _HEADER_ROOM),
                      ("grpc.max_send_message_length", 64 << 10)])
-        pb_grpc.add_KVTransferServicer_to_server(_Servicer(self), server)
+        server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+            "nibble.v1.KVTransfer", {"WritePages": grpc.stream_unary_rpc_method_handler(
+                _Servicer(self).WritePages, request_deserializer=grpc_wire.deserialize,
+                response_serializer=pb.WriteAck.SerializeToString)})])
         try:
             if self.tls is None:
                 port = server.add_insecure_port(self.address)
@@ -262,7 +296,8 @@ class GrpcTransport(KVTransport):
                         {"address": self.advertise, "max_chunk": self.max_chunk_bytes,
                          "tls": self.tls is not None}).encode(self.secret)
 
-    def _stub(self, address: str) -> pb_grpc.KVTransferStub:
+    def _stub(self, address: str):
+        """The ``WritePages`` call of a channel to ``address`` (data messages by ``grpc_wire``)."""
         if address not in self._channels:
             limit = self.chunk_bytes + _HEADER_ROOM
             opts = [("grpc.max_send_message_length", limit),
@@ -275,7 +310,10 @@ class GrpcTransport(KVTransport):
                                                      certificate_chain=cert)
                 ch = grpc.secure_channel(address, creds, options=opts + [
                     ("grpc.ssl_target_name_override", self.ssl_target_name)])
-            self._channels[address] = (ch, pb_grpc.KVTransferStub(ch))
+            call = ch.stream_unary("/nibble.v1.KVTransfer/WritePages",
+                                   request_serializer=grpc_wire.serialize,
+                                   response_deserializer=pb.WriteAck.FromString)
+            self._channels[address] = (ch, call)
         return self._channels[address][1]
 
     def write_pages(self, peer_endpoint: bytes, ticket: TransferTicket, src_pages: Sequence[int],
@@ -287,31 +325,32 @@ class GrpcTransport(KVTransport):
                 f"the transfer channel and this worker is configured "
                 f"{'with' if self.tls else 'without'} it")
         chunk = min(self.chunk_bytes, int(peer.fields["max_chunk"]))
-        stub = self._stub(str(peer.fields["address"]))
+        call = self._stub(str(peer.fields["address"]))
         timeout = max(0.001, handle.give_up_at - time.monotonic())
         checksum, tag = self._seal(ticket, src, checksum)
-        handle.impl = stub.WritePages.future(self._chunks(ticket, src, checksum, tag, chunk),
-                                             timeout=timeout)
+        plan = grpc_wire.plan_chunks(contiguous_runs(src), self.page_nbytes, chunk)
+        handle.descriptors = sum(len(segments) for _, segments in plan)
+        handle.impl = call.future(self._chunks(ticket, plan, checksum, tag), timeout=timeout)
         return handle
 
-    def _chunks(self, ticket: TransferTicket, src: list[int], checksum: str, tag: bytes,
-                chunk: int) -> Iterator[pb.PageChunk]:
-        """The ticket with the signed checksum, then the source pages as one byte stream in
-        chunks of ``chunk`` bytes."""
+    def _chunks(self, ticket: TransferTicket, plan, checksum: str, tag: bytes
+                ) -> Iterator[grpc_wire.Chunk]:
+        """The ticket with the signed checksum, then the planned chunks of the source pages
+        (``grpc_wire.plan_chunks``): views of a host pool, or one pinned copy per chunk of a
+        device pool."""
         yield pb.PageChunk(ticket=ticket_to_proto(ticket), checksum=checksum, checksum_tag=tag)
-        pn, parts, size, start = self.page_nbytes, [], 0, 0
-        for p in src:
-            view, off = page_bytes(self.pool, p), 0
-            while off < pn:
-                take = min(pn - off, chunk - size)
-                parts.append(view[off:off + take])
-                size, off = size + take, off + take
-                if size == chunk:
-                    yield pb.PageChunk(page_index=start // pn, offset=start % pn,
-                                       data=b"".join(parts))
-                    parts, start, size = [], start + size, 0
-        if parts:
-            yield pb.PageChunk(page_index=start // pn, offset=start % pn, data=b"".join(parts))
+        pn, flat = self.page_nbytes, self.pool.view(-1)
+        for stream, segments in plan:
+            parts = [flat[at:at + n] for at, n in segments]
+            if flat.device.type != "cpu":
+                stage = torch.empty(sum(n for _, n in segments), dtype=torch.uint8,
+                                    pin_memory=True)
+                at = 0
+                for part in parts:
+                    stage[at:at + part.numel()].copy_(part)
+                    at += part.numel()
+                parts = [stage]
+            yield grpc_wire.RawChunk(stream // pn, stream % pn, parts)
 
     def poll(self, handle: TransferHandle) -> TransferStatus:
         if handle.final is not None:

@@ -17,9 +17,11 @@ import pytest
 
 from nibble.tiering.transfer import (CompletedTransfer, RejectedTransfer, RejectReason,
                                      TransferState, create_transport, page_set_checksum, signing)
+from nibble.tiering.page_runs import contiguous_runs, merge_runs
+from nibble.tiering.transfer.grpc_wire import plan_chunks
 from nibble.tiering.transfer.loopback import LoopbackPeer, PoolSpec
 
-from .conftest import LAYOUTS, NUM_PAGES, SECRET
+from .conftest import LAYOUTS, NUM_PAGES, SECRET, SENDER_OPTS
 
 SRC, DST = [5, 2, 7], [9, 1, 4]  # non-contiguous, reordered
 
@@ -47,6 +49,42 @@ def test_pages_arrive_bit_identical_into_the_reserved_pages(peer, senders, fmt):
     assert _send(peer, senders, fmt, ticket, src=[11, 0]).state == TransferState.SUCCESS
     assert isinstance(peer.call("wait", fmt, ticket.ticket_id, 10.0), CompletedTransfer)
     assert peer.call("checksum", fmt, [0, 11]) == page_set_checksum(pool.pages, [11, 0])
+
+
+def _expected_descriptors(transport_name, src, dst, page_nbytes):
+    """One per run on both sides (NIXL); one per (chunk, source run) segment (gRPC)."""
+    if transport_name == "nixl":
+        return len(merge_runs(src, dst))
+    chunk = SENDER_OPTS["grpc"]["chunk_bytes"]
+    return len([s for _, segs in plan_chunks(contiguous_runs(src), page_nbytes, chunk)
+                for s in segs])
+
+
+@pytest.mark.parametrize("src, dst, runs", [
+    (list(range(6)), list(range(6, 12)), 1),             # fresh pools: one run
+    ([2, 3, 4, 8, 9], [0, 1, 2, 6, 7], 2),                # two runs on both sides
+    ([5, 2, 7], [9, 1, 4], 3),                           # fragmented: one per page
+    ([3, 2, 1, 0], [4, 5, 6, 7], 4),                     # descending source: no merge
+])
+def test_runs_move_bit_identically_in_few_descriptors(peer, senders, transport_name, src, dst,
+                                                      runs):
+    fmt = "nvfp4"
+    peer.call("zero", fmt)
+    pool, tr = senders[fmt]
+    assert len(merge_runs(src, dst)) == runs
+    ticket = peer.call("issue", fmt, "req-runs", dst, 10.0)
+    handle = tr.write_pages(peer.endpoints[fmt], ticket, src)
+    assert tr.wait(handle).state == TransferState.SUCCESS
+    assert isinstance(peer.call("wait", fmt, ticket.ticket_id, 10.0), CompletedTransfer)
+    assert peer.call("checksum", fmt, dst) == page_set_checksum(pool.pages, src)
+    assert peer.call("nonzero_pages", fmt) == sorted(dst)
+    pn = pool.layout.page_nbytes
+    assert handle.descriptors == _expected_descriptors(transport_name, src, dst, pn)
+    if transport_name == "nixl":
+        assert handle.descriptors == runs
+    else:   # a chunk never holds more segments than source runs it touches
+        chunk = SENDER_OPTS["grpc"]["chunk_bytes"]
+        assert handle.descriptors <= -(-len(src) * pn // chunk) + len(contiguous_runs(src)) - 1
 
 
 def test_nvfp4_moves_0_5625x_the_bytes_of_fp8_for_the_same_tokens(peer, senders):
