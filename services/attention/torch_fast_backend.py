@@ -1,0 +1,108 @@
+"""The CPU decode fast path: the torch backend with a batched, vectorized decode.
+
+Registered as ``torch_fast``; ``--attention-backend auto`` picks it on CPU. Prefill
+and extend run exactly as in the reference ``torch`` backend (``torch_backend.py``),
+which stays the reference the tests compare against. The decode path differs:
+
+* ``plan`` computes once per step the decode sequences' page ids ``[B, M]`` (``M``
+  pages of the longest), their new tokens' slots, and one key mask ``[B, 1, 1, M*S]``
+  per distinct sliding window;
+* the first decode layer of a chunk of layers dequantizes the pages of the whole chunk
+  at once (``kernels.paged_fast.dequantize_pages``) into ``[L, B, H, M*S, D]``; the
+  chunk is every layer unless that workspace would pass ``WORKSPACE_BYTES``;
+* each layer stores its new K/V (``store_kv_fast``: plain NVFP4 K and V in one
+  pass), dequantizes just those rows into the workspace, and runs one SDPA for the
+  batch with each KV head's query heads as the query length (no K/V copy for GQA).
+
+Values are the reference's: the dequantized K/V are bit-identical, the attention
+output equal within fp32 rounding (a different SDPA call shape and padding).
+Formats outside ``paged_fast.FAST_ELEMENTS`` (the rotated-K research formats)
+decode through the reference path.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from nibble.kernels.paged_fast import (dequantize_pages, dequantize_rows, store_kv_fast,
+                                       supports_layout)
+
+from .base import AttentionMetadata, register_backend
+from .torch_backend import TorchAttentionBackend, _first_visible
+
+# Upper bound on one chunk's dequantized K+V workspace.
+WORKSPACE_BYTES = 256 * 2**20
+
+
+@register_backend("torch_fast")
+class FastTorchAttentionBackend(TorchAttentionBackend):
+    """:class:`TorchAttentionBackend` (same arguments) with the batched decode above."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fast = supports_layout(self.layout)
+        self._fd: dict | None = None
+        self._chunk: tuple[range, torch.Tensor, torch.Tensor] | None = None
+
+    def plan(self, meta: AttentionMetadata) -> None:
+        if not self.fast or not meta.decode:
+            super().plan(meta)
+            return
+        bt = meta.block_tables.cpu()
+        windows = set(self.sliding_windows) or {None}
+        self._ext = {w: self._plan_extend(meta, bt, w) for w in windows} if meta.extend else {}
+        self._dec = {}
+        ps, dev = self.layout.page_size, self.pool.device
+        dec = torch.tensor(meta.decode, dtype=torch.long)
+        cached = torch.tensor([meta.cached_lens[b] for b in meta.decode], dtype=torch.long)
+        m = (int(cached.max()) // ps) + 1
+        pos = torch.arange(m * ps)
+        masks = {}
+        for w in windows:
+            lo = torch.tensor([_first_visible(int(c), w) for c in cached])
+            ok = (pos[None, :] <= cached[:, None]) & (pos[None, :] >= lo[:, None])
+            masks[w] = ok[:, None, None, :].to(dev)
+        self._fd = dict(
+            page_ids=bt[dec, :m].long().to(dev),
+            new_page=bt[dec, cached // ps].long().to(dev), new_off=(cached % ps).to(dev),
+            batch=torch.arange(len(dec), device=dev), cached=cached.to(dev), masks=masks,
+            rows=torch.tensor([meta.seq_starts[b] for b in meta.decode], device=dev),
+            scales=self.pool.global_scales.to(dev))
+        self._chunk = None
+
+    def _store(self, pages, k, v, slot_mapping, ks, vs):
+        store_kv_fast(self.layout, pages, k, v, slot_mapping, ks, vs)
+
+    def _workspace(self, layer: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s dequantized pages ``[B, H, M*S, D]`` (K, V) from the current chunk,
+        dequantizing the next chunk (from ``layer`` on) when it is not there."""
+        if self._chunk is None or layer not in self._chunk[0] or self._chunk[1].dtype != dtype:
+            fd, lay = self._fd, self.layout
+            b, m = fd["page_ids"].shape
+            per_layer = 2 * b * lay.num_kv_heads * m * lay.page_size * lay.head_dim * \
+                torch.empty((), dtype=dtype).element_size()
+            n = max(1, WORKSPACE_BYTES // per_layer)
+            layers = range(layer, min(layer + n, lay.num_layers))
+            k, v = dequantize_pages(lay, self.pool.pages, fd["page_ids"], layers, fd["scales"],
+                                    dtype)
+            self._chunk = (layers, k, v)
+        layers, k, v = self._chunk
+        return k[layer - layers.start], v[layer - layers.start]
+
+    def _decode(self, layer, pages, q, meta, out, ks, vs, w):
+        if not self.fast:
+            super()._decode(layer, pages, q, meta, out, ks, vs, w)
+            return
+        fd = self._fd
+        kk, vv = self._workspace(layer, q.dtype)
+        # The rows this step just stored (stale in the workspace, dequantized before the store).
+        nk, nv = dequantize_rows(self.layout, pages, fd["new_page"], fd["new_off"], ks, vs,
+                                 q.dtype)
+        kk[fd["batch"], :, fd["cached"]] = nk
+        vv[fd["batch"], :, fd["cached"]] = nv
+        b, h, _, d = kk.shape
+        qq = q[fd["rows"]].view(b, h, -1, d)                          # [B, H, G, D]
+        o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=fd["masks"][w],
+                                           scale=self.sm_scale)
+        out[fd["rows"]] = o.reshape(b, -1, d)
