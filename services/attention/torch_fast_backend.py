@@ -25,10 +25,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from nibble.kernels.paged_fast import (dequantize_pages, dequantize_rows, store_kv_fast,
-                                       supports_layout)
+from nibble.kernels.paged_fast import (dequantize_pages, dequantize_rows, dequantize_stored,
+                                       split_slots, store_kv_fast, supports_layout)
 
-from .base import AttentionMetadata, register_backend
+from .base import AttentionMetadata, fresh_kv, register_backend
 from .torch_backend import TorchAttentionBackend, _first_visible
 
 # Upper bound on one chunk's dequantized K+V workspace.
@@ -43,9 +43,11 @@ class FastTorchAttentionBackend(TorchAttentionBackend):
         super().__init__(*args, **kwargs)
         self.fast = supports_layout(self.layout)
         self._fd: dict | None = None
-        self._chunk: tuple[range, torch.Tensor, torch.Tensor] | None = None
+        self._chunk: tuple[range, torch.Tensor] | None = None
+        self._stored = None         # what the last store returned (plain NVFP4 codes, scales)
 
     def plan(self, meta: AttentionMetadata) -> None:
+        self._fd = self._chunk = None
         if not self.fast or not meta.decode:
             super().plan(meta)
             return
@@ -63,20 +65,37 @@ class FastTorchAttentionBackend(TorchAttentionBackend):
             lo = torch.tensor([_first_visible(int(c), w) for c in cached])
             ok = (pos[None, :] <= cached[:, None]) & (pos[None, :] >= lo[:, None])
             masks[w] = ok[:, None, None, :].to(dev)
+        pure = len(meta.decode) == len(meta.seq_starts)
         self._fd = dict(
-            page_ids=bt[dec, :m].long().to(dev),
+            meta=meta, pure=pure, page_ids=bt[dec, :m].long().to(dev),
             new_page=bt[dec, cached // ps].long().to(dev), new_off=(cached % ps).to(dev),
             batch=torch.arange(len(dec), device=dev), cached=cached.to(dev), masks=masks,
             rows=torch.tensor([meta.seq_starts[b] for b in meta.decode], device=dev),
-            scales=self.pool.global_scales.to(dev))
-        self._chunk = None
+            gs=self.pool.global_scales.to(dev), gs_list=self.pool.global_scales.tolist(),
+            slots=split_slots(self.layout, self.pool.layer(0), meta.slot_mapping.to(dev))
+            if pure else None)
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        fd = self._fd
+        if fd is None or not fd["pure"] or meta is not fd["meta"]:
+            return super().forward(layer, q, k, v, meta)
+        # A pure decode step: token b is sequence b's new token, nothing else to attend.
+        pages = self.pool.layer(layer)
+        ks, vs = fd["gs_list"][layer]
+        q, k, v = self._recipe.apply(layer, q, k, v)
+        k, v = fresh_kv(k, self.fp8_fresh), fresh_kv(v, self.fp8_fresh)
+        self._stored = store_kv_fast(self.layout, pages, k, v, meta.slot_mapping, ks, vs,
+                                     fd["slots"])
+        out = self._attend(layer, pages, q, ks, vs, self.window(layer), pure=True)
+        return self._recipe.finish(layer, out)
 
     def _store(self, pages, k, v, slot_mapping, ks, vs):
-        store_kv_fast(self.layout, pages, k, v, slot_mapping, ks, vs)
+        self._stored = store_kv_fast(self.layout, pages, k, v, slot_mapping, ks, vs)
 
-    def _workspace(self, layer: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer ``layer``'s dequantized pages ``[B, H, M*S, D]`` (K, V) from the current chunk,
-        dequantizing the next chunk (from ``layer`` on) when it is not there."""
+    def _workspace(self, layer: int, dtype: torch.dtype) -> torch.Tensor:
+        """Layer ``layer``'s dequantized pages ``[2, B, H, M*S, D]`` (K, V) from the current
+        chunk, dequantizing the next chunk (from ``layer`` on) when it is not there."""
         if self._chunk is None or layer not in self._chunk[0] or self._chunk[1].dtype != dtype:
             fd, lay = self._fd, self.layout
             b, m = fd["page_ids"].shape
@@ -84,25 +103,33 @@ class FastTorchAttentionBackend(TorchAttentionBackend):
                 torch.empty((), dtype=dtype).element_size()
             n = max(1, WORKSPACE_BYTES // per_layer)
             layers = range(layer, min(layer + n, lay.num_layers))
-            k, v = dequantize_pages(lay, self.pool.pages, fd["page_ids"], layers, fd["scales"],
-                                    dtype)
-            self._chunk = (layers, k, v)
-        layers, k, v = self._chunk
-        return k[layer - layers.start], v[layer - layers.start]
+            kv = dequantize_pages(lay, self.pool.pages, fd["page_ids"], layers, fd["gs"], dtype)
+            self._chunk = (layers, kv)
+        layers, kv = self._chunk
+        return kv[:, layer - layers.start]
+
+    def _attend(self, layer, pages, q, ks, vs, w, pure: bool) -> torch.Tensor:
+        """The decode rows' attention ``[B, Hq, D]`` (q: the step's ``[T, Hq, D]``)."""
+        fd = self._fd
+        kv = self._workspace(layer, q.dtype)
+        # The rows this step just stored (stale in the workspace, dequantized before the store).
+        if self._stored is not None:
+            codes, scales = self._stored
+            if not pure:
+                codes, scales = codes[:, fd["rows"]], scales[:, fd["rows"]]
+            new = dequantize_stored(self.layout, codes, scales, fd["gs"][layer], q.dtype)
+        else:
+            new = dequantize_rows(self.layout, pages, fd["new_page"], fd["new_off"], ks, vs,
+                                  q.dtype)
+        kv[:, fd["batch"], :, fd["cached"]] = new.transpose(0, 1)    # [B, 2, H, D]
+        _, b, h, _, d = kv.shape
+        qq = (q if pure else q[fd["rows"]]).reshape(b, h, -1, d)     # [B, H, G, D]
+        o = F.scaled_dot_product_attention(qq, kv[0], kv[1], attn_mask=fd["masks"][w],
+                                           scale=self.sm_scale)
+        return o.reshape(b, -1, d)
 
     def _decode(self, layer, pages, q, meta, out, ks, vs, w):
-        if not self.fast:
+        if self._fd is None:
             super()._decode(layer, pages, q, meta, out, ks, vs, w)
             return
-        fd = self._fd
-        kk, vv = self._workspace(layer, q.dtype)
-        # The rows this step just stored (stale in the workspace, dequantized before the store).
-        nk, nv = dequantize_rows(self.layout, pages, fd["new_page"], fd["new_off"], ks, vs,
-                                 q.dtype)
-        kk[fd["batch"], :, fd["cached"]] = nk
-        vv[fd["batch"], :, fd["cached"]] = nv
-        b, h, _, d = kk.shape
-        qq = q[fd["rows"]].view(b, h, -1, d)                          # [B, H, G, D]
-        o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=fd["masks"][w],
-                                           scale=self.sm_scale)
-        out[fd["rows"]] = o.reshape(b, -1, d)
+        out[self._fd["rows"]] = self._attend(layer, pages, q, ks, vs, w, pure=False)

@@ -14,7 +14,8 @@ from nibble.kernels import (KernelInputError, NonFiniteInputError, PageLayout, g
                             kv_format_names, quantize_nvfp4, store_kv_ref)
 from nibble.kernels.nvfp4 import E2M1_VALUES
 from nibble.kernels.paged_fast import (FAST_ELEMENTS, dequantize_pages, dequantize_rows,
-                                       quantize_nvfp4_stacked, store_kv_fast, supports_layout)
+                                       dequantize_stored, quantize_nvfp4_stacked, split_slots,
+                                       store_kv_fast, supports_layout)
 from nibble.tiering import KVPool
 
 ALL_FORMATS = kv_format_names(experimental=True)
@@ -43,21 +44,22 @@ def edge_values(shape, g: torch.Generator) -> torch.Tensor:
 def test_stacked_quantize_is_bit_identical_per_slice():
     g = torch.Generator().manual_seed(0)
     x = edge_values((2, 9, H, 64), g)
-    gs = torch.tensor([1.0, 0.013])
+    gs = (1.0, 0.013)
     codes, scales = quantize_nvfp4_stacked(x, gs)
     for i in range(2):
-        rc, rs = quantize_nvfp4(x[i], float(gs[i]))
+        rc, rs = quantize_nvfp4(x[i], gs[i])
         assert torch.equal(codes[i], rc) and torch.equal(scales[i], rs)
 
 
 def test_stacked_quantize_rejects_bad_input():
     x = torch.randn(2, 3, 16)
     with pytest.raises(NonFiniteInputError):
-        quantize_nvfp4_stacked(torch.where(x > 1, float("nan"), x), torch.ones(2))
+        quantize_nvfp4_stacked(torch.where(x > 1, float("nan"), x), (1.0, 1.0))
+    for bad in ((1.0, 0.0), (1.0, float("inf")), (1.0,)):
+        with pytest.raises(KernelInputError):
+            quantize_nvfp4_stacked(x, bad)
     with pytest.raises(KernelInputError):
-        quantize_nvfp4_stacked(x, torch.tensor([1.0, 0.0]))
-    with pytest.raises(KernelInputError):
-        quantize_nvfp4_stacked(torch.randn(2, 3, 12), torch.ones(2))
+        quantize_nvfp4_stacked(torch.randn(2, 3, 12), (1.0, 1.0))
 
 
 def filled_pools(kv: str, seed: int = 0) -> tuple[KVPool, KVPool, torch.Tensor]:
@@ -72,7 +74,15 @@ def filled_pools(kv: str, seed: int = 0) -> tuple[KVPool, KVPool, torch.Tensor]:
     for layer in range(L):
         k, v = edge_values((P * S, H, D), g), edge_values((P * S, H, D), g)
         store_kv_ref(layout, pools[0].layer(layer), k, v, slots, *pools[0].scales(layer))
-        store_kv_fast(layout, pools[1].layer(layer), k, v, slots, *pools[1].scales(layer))
+        pages = pools[1].layer(layer)
+        split = split_slots(layout, pages, slots) if layer % 2 else None   # both call forms
+        stored = store_kv_fast(layout, pages, k, v, slots, *pools[1].scales(layer), split)
+        if stored is not None:           # plain NVFP4: what the store returns reads back
+            got = dequantize_stored(layout, *stored, pools[1].global_scales[layer],
+                                    torch.float32)
+            want = gather_rows_ref(layout, pages, *split_slots(layout, pages, slots),
+                                   *pools[1].scales(layer), torch.float32)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     return pools[0], pools[1], slots
 
 
@@ -95,6 +105,8 @@ def test_fast_store_rejects_non_finite_before_writing(kv):
     with pytest.raises(KernelInputError):
         store_kv_fast(pool.layout, pool.layer(0), k[:, :1], k[:, :1], torch.tensor([0, 5]),
                       1.0, 1.0)
+    with pytest.raises(KernelInputError, match="outside the pool"):
+        store_kv_fast(pool.layout, pool.layer(0), k, k, torch.tensor([0, P * S]), 1.0, 1.0)
 
 
 @pytest.mark.parametrize("kv", FAST_FORMATS)

@@ -80,27 +80,31 @@ def compare_step(kv: str, fresh: str = "auto", windows=(), meta_of=lambda m: m):
     return got
 
 
+def only_decode(m: AttentionMetadata) -> AttentionMetadata:
+    """The decode sequences of ``m`` alone: a pure decode step (the backend's lean path)."""
+    dec = [i for i, n in enumerate(m.new_lens) if n == 1 and m.cached_lens[i]]
+    pick = lambda xs: [xs[i] for i in dec]  # noqa: E731
+    slots = torch.cat([m.slot_mapping[m.seq_starts[i]:m.seq_starts[i] + 1] for i in dec])
+    return AttentionMetadata(list(range(len(dec))), pick(m.new_lens), pick(m.cached_lens),
+                             slots, m.block_tables[dec])
+
+
+@pytest.mark.parametrize("pure", [False, True])
 @pytest.mark.parametrize("kv", kv_format_names(experimental=True))
-def test_mixed_step_matches_reference_for_every_format(kv):
-    got = compare_step(kv)
+def test_step_matches_reference_for_every_format(kv, pure):
+    got = compare_step(kv, meta_of=only_decode if pure else lambda m: m)
     assert got.fast == (kv not in ("nvfp4_khad", "nvfp4_khad46"))
 
 
-def test_fp8_fresh_kv_and_pure_decode_step():
-    compare_step("nvfp4", fresh="fp8_e4m3")
-    dec = [i for i, n in enumerate(NEW) if n == 1]
-
-    def only_decode(m):
-        pick = lambda xs: [xs[i] for i in dec]  # noqa: E731
-        slots = torch.cat([m.slot_mapping[m.seq_starts[i]:m.seq_starts[i] + 1] for i in dec])
-        return AttentionMetadata(list(range(len(dec))), pick(m.new_lens), pick(m.cached_lens),
-                                 slots, m.block_tables[dec])
-    compare_step("nvfp4", meta_of=only_decode)
+@pytest.mark.parametrize("pure", [False, True])
+def test_fp8_fresh_kv(pure):
+    compare_step("nvfp4", fresh="fp8_e4m3", meta_of=only_decode if pure else lambda m: m)
 
 
 @pytest.mark.parametrize("kv", ["bf16", "nvfp4"])
 def test_sliding_windows(kv):
     compare_step(kv, windows=(8, None, 30))
+    compare_step(kv, windows=(8, None, 30), meta_of=only_decode)
 
 
 def test_workspace_in_one_layer_chunks(monkeypatch):
@@ -144,3 +148,15 @@ def test_engine_logits_match_reference(kv):
     assert len(got) == len(ref) >= 5
     worst = max(float((g - r).abs().max()) for g, r in zip(got, ref))
     assert worst <= 1e-4, f"{kv}: logits differ by {worst:.2e}"
+
+
+def test_pure_decode_step_takes_the_lean_path(monkeypatch):
+    """A pure decode step never enters the reference forward (no prefill/extend loops)."""
+    _, pool, meta = pools("nvfp4")
+    meta = only_decode(meta)
+    got = FastTorchAttentionBackend(pool, 0.125)
+    got.plan(meta)
+    monkeypatch.setattr(TorchAttentionBackend, "forward",
+                        lambda *a, **kw: pytest.fail("reference forward on a pure decode step"))
+    q, k, v = qkv(0, meta.num_tokens)
+    assert got.forward(0, q, k, v, meta).shape == q.shape
