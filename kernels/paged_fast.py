@@ -30,7 +30,6 @@ import math
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 
 from .errors import KernelInputError, NonFiniteInputError
 from .formats import NVFP4, ElementFormat
@@ -56,23 +55,46 @@ def _kind(elem: ElementFormat) -> str:
     return {"bf16": "bf16", "fp8_e4m3": "fp8"}.get(elem.name, "nvfp4")
 
 
+def _buffer(scratch: dict | None, name: str, shape: tuple[int, ...], dtype: torch.dtype,
+            device: torch.device) -> torch.Tensor:
+    """An uninitialized ``shape`` tensor: a view of the caller's persistent ``scratch[name]``
+    (grown when too small), or a new one without ``scratch``. Reusing the memory saves a
+    large allocation's page faults every step."""
+    n = math.prod(shape)
+    if scratch is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    buf = scratch.get(name)
+    if buf is None or buf.numel() < n or buf.dtype != dtype or buf.device != device:
+        buf = scratch[name] = torch.empty(n + n // 4, dtype=dtype, device=device)
+    return buf[:n].view(shape)
+
+
 def _dequant(kind: str, data: torch.Tensor, scales: torch.Tensor | None, gs: torch.Tensor,
-             dtype: torch.dtype) -> torch.Tensor:
-    """``data`` uint8 ``[..., data_bytes]`` (+ ``scales`` ``[..., scale_bytes]``) -> ``[..., D]``.
+             dtype: torch.dtype, scratch: dict | None = None) -> torch.Tensor:
+    """``data`` uint8 ``[..., data_bytes]`` (+ ``scales`` ``[..., scale_bytes]``; any strides,
+    the last dim contiguous) -> ``[..., D]`` contiguous.
 
     ``gs``: fp32, broadcastable against ``data`` without its last dim (one global
     scale per layer). The values equal the element format's ``dequantize`` with that
-    scale. NVFP4 codes go through one table lookup per byte (``embedding``: a gather
-    several times faster on CPU than advanced indexing) and two in-place multiplies.
+    scale. NVFP4 codes go through one table lookup per byte (``index_select`` of the
+    pair table: a gather several times faster on CPU than advanced indexing) and two
+    in-place multiplies; the result (and the lookup's indices) may live in ``scratch``.
     """
+    shape = data.shape[:-1]
     if kind == "bf16":
-        return data.contiguous().view(torch.bfloat16).to(dtype)
+        out = _buffer(scratch, "values", (*shape, data.shape[-1] // 2), torch.float32,
+                      data.device)
+        return out.copy_(data.view(torch.bfloat16)).to(dtype)
     g = gs.unsqueeze(-1)
     if kind == "fp8":
-        return (data.view(torch.float8_e4m3fn).float() * g).to(dtype)
-    values = F.embedding(data.long(), _pair_lut(data.device)).flatten(-2).unflatten(-1, (-1, BLOCK))
+        out = _buffer(scratch, "values", data.shape, torch.float32, data.device)
+        return out.copy_(data.view(torch.float8_e4m3fn)).mul_(g).to(dtype)
+    idx = _buffer(scratch, "index", data.shape, torch.int32, data.device).copy_(data)
+    out = _buffer(scratch, "values", (*shape, data.shape[-1] * 2), torch.float32, data.device)
+    torch.index_select(_pair_lut(data.device), 0, idx.view(-1), out=out.view(-1, 2))
     scale = scales.view(torch.float8_e4m3fn).float().unsqueeze(-1)
-    return values.mul_(scale).mul_(g.unsqueeze(-1)).flatten(-2).to(dtype)
+    out.unflatten(-1, (-1, BLOCK)).mul_(scale).mul_(g.unsqueeze(-1))
+    return out.to(dtype)
 
 
 def _sections(layout: PageLayout, raw: torch.Tensor) -> dict[str, torch.Tensor | None]:
@@ -102,8 +124,8 @@ def _dequant_kv(layout: PageLayout, secs: dict, gs: torch.Tensor, dtype: torch.d
 
 
 def dequantize_pages(layout: PageLayout, pool: torch.Tensor, page_ids: torch.Tensor,
-                     layers: range, global_scales: torch.Tensor, dtype: torch.dtype
-                     ) -> torch.Tensor:
+                     layers: range, global_scales: torch.Tensor, dtype: torch.dtype,
+                     scratch: dict | None = None) -> torch.Tensor:
     """Dequantize pages ``page_ids`` of layers ``layers`` for a batched decode.
 
     Args:
@@ -113,6 +135,9 @@ def dequantize_pages(layout: PageLayout, pool: torch.Tensor, page_ids: torch.Ten
         layers: a contiguous range of layers (step 1).
         global_scales: fp32 ``[num_layers, 2]`` (K, V) on the pool's device.
         dtype: output dtype.
+        scratch: a dict the caller keeps between calls (e.g. one per step): the result
+            and the intermediates then reuse its buffers, and the result is valid only
+            until the next call with the same ``scratch``.
     Returns:
         K and V stacked, ``[2, len(layers), B, H, M * S, D]`` of ``dtype``, contiguous:
         token ``j`` of sequence ``b`` is at ``[:, :, b, :, j]``.
@@ -129,15 +154,16 @@ def dequantize_pages(layout: PageLayout, pool: torch.Tensor, page_ids: torch.Ten
     gs = global_scales[layers.start:layers.stop].to(torch.float32).view(nl, 1, 1, 1, 2)
     fmt, secs = layout.fmt, layout.sections()
     if _kind(fmt.k) == _kind(fmt.v) and secs[0][1] == secs[1][1]:
-        # K and V sections are adjacent and alike (data, then scales): one pass for both.
-        # [B*M, L, 2, H, S, row] -> [2, L, B, H, M*S, row]: move bytes, not values.
+        # K and V sections are adjacent and alike (data, then scales): one pass for both,
+        # straight from [B*M, L, 2, H, S, row] into [2, L, B, H, M, S, D] (views until then).
         def pair(start: int, size: int, row: int) -> torch.Tensor:
             return (raw[..., start:start + 2 * size].unflatten(-1, (2, h, s, row))
-                    .unflatten(0, (b, m)).permute(3, 2, 0, 4, 1, 5, 6)
-                    .reshape(2, nl, b, h, m * s, row))
+                    .unflatten(0, (b, m)).permute(3, 2, 0, 4, 1, 5, 6))
         size, row = secs[0][1], secs[0][2]
         scales = pair(2 * size, secs[2][1], secs[2][2]) if len(secs) == 4 else None
-        return _dequant(_kind(fmt.k), pair(0, size, row), scales, gs.movedim(-1, 0), dtype)
+        out = _dequant(_kind(fmt.k), pair(0, size, row), scales,
+                       gs.movedim(-1, 0).unsqueeze(-1), dtype, scratch)
+        return out.view(2, nl, b, h, m * s, layout.head_dim)
     # [B*M, L, H, S, row] -> [L, B, H, M*S, row]
     views = {n: None if t is None else t.unflatten(0, (b, m)).permute(2, 0, 3, 1, 4, 5)
              .reshape(nl, b, h, m * s, t.shape[-1]) for n, t in _sections(layout, raw).items()}

@@ -8,8 +8,11 @@ which stays the reference the tests compare against. The decode path differs:
   pages of the longest), their new tokens' slots, and one key mask ``[B, 1, 1, M*S]``
   per distinct sliding window;
 * the first decode layer of a chunk of layers dequantizes the pages of the whole chunk
-  at once (``kernels.paged_fast.dequantize_pages``) into ``[L, B, H, M*S, D]``; the
-  chunk is every layer unless that workspace would pass ``WORKSPACE_BYTES``;
+  at once (``kernels.paged_fast.dequantize_pages``) into ``[2, L, B, H, M*S, D]``
+  (K, V); the chunk is every layer unless that workspace would pass
+  ``WORKSPACE_BYTES``; its memory is kept from step to step (about 1.5x the largest
+  workspace so far, lookup indices included), which saves a large allocation's page
+  faults every step;
 * each layer stores its new K/V (``store_kv_fast``: plain NVFP4 K and V in one
   pass), dequantizes just those rows into the workspace, and runs one SDPA for the
   batch with each KV head's query heads as the query length (no K/V copy for GQA).
@@ -45,6 +48,7 @@ class FastTorchAttentionBackend(TorchAttentionBackend):
         self._fd: dict | None = None
         self._chunk: tuple[range, torch.Tensor] | None = None
         self._stored = None         # what the last store returned (plain NVFP4 codes, scales)
+        self._scratch: dict = {}    # the workspace's memory, kept from step to step
 
     def plan(self, meta: AttentionMetadata) -> None:
         self._fd = self._chunk = None
@@ -103,7 +107,8 @@ class FastTorchAttentionBackend(TorchAttentionBackend):
                 torch.empty((), dtype=dtype).element_size()
             n = max(1, WORKSPACE_BYTES // per_layer)
             layers = range(layer, min(layer + n, lay.num_layers))
-            kv = dequantize_pages(lay, self.pool.pages, fd["page_ids"], layers, fd["gs"], dtype)
+            kv = dequantize_pages(lay, self.pool.pages, fd["page_ids"], layers, fd["gs"], dtype,
+                                  self._scratch)
             self._chunk = (layers, kv)
         layers, kv = self._chunk
         return kv[:, layer - layers.start]

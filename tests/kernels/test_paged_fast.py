@@ -160,3 +160,20 @@ def test_page_dequantize_checks_its_arguments():
         dequantize_pages(pool.layout, pool.pages, ids, range(0, L + 1), pool.global_scales,
                          torch.float32)
     assert "nvfp4" in FAST_ELEMENTS
+
+
+@pytest.mark.parametrize("kv", ["bf16", "fp8_e4m3", "nvfp4"])
+def test_page_dequantize_with_scratch_reuses_memory(kv):
+    """Results through a kept scratch dict equal fresh ones while it grows and shrinks, and
+    a call the buffers already fit reuses their memory."""
+    pool, _, _ = filled_pools(kv, seed=4)
+    scratch: dict = {}
+    ids = torch.tensor([[3, 1, 4], [1, 5, 9]])
+    for page_ids, layers in ((ids[:1, :2], range(0, 1)), (ids, range(0, L)),
+                             (ids[:, :1], range(1, 3))):
+        want = dequantize_pages(pool.layout, pool.pages, page_ids, layers, pool.global_scales,
+                                torch.float32)
+        got = dequantize_pages(pool.layout, pool.pages, page_ids, layers, pool.global_scales,
+                               torch.float32, scratch)
+        assert torch.equal(got, want)
+    assert got.data_ptr() == scratch["values"].data_ptr()
