@@ -6,6 +6,7 @@ says why not (None when it imported).
 
 from .base import ATTENTION_BACKENDS, AttentionBackend, AttentionMetadata, register_backend
 from .torch_backend import TorchAttentionBackend
+from .torch_fast_backend import FastTorchAttentionBackend
 
 TRITON_IMPORT_ERROR: str | None = None
 try:
@@ -15,4 +16,4 @@ except ImportError as exc:  # no usable Triton: the torch backend remains
     TRITON_IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
 
 __all__ = ["ATTENTION_BACKENDS", "AttentionBackend", "AttentionMetadata", "register_backend",
-           "TorchAttentionBackend", "TritonAttentionBackend", "TRITON_IMPORT_ERROR"]
+           "TorchAttentionBackend", "FastTorchAttentionBackend", "TritonAttentionBackend", "TRITON_IMPORT_ERROR"]

@@ -111,7 +111,7 @@ class TorchAttentionBackend(AttentionBackend):
         q, k, v = self._recipe.apply(layer, q, k, v)      # the format's K recipe, if any
         k, v = fresh_kv(k, self.fp8_fresh), fresh_kv(v, self.fp8_fresh)
         dev = self.pool.device
-        store_kv_ref(self.layout, pages, k.to(dev), v.to(dev), meta.slot_mapping.to(dev), ks, vs)
+        self._store(pages, k.to(dev), v.to(dev), meta.slot_mapping.to(dev), ks, vs)
         k, v = k.to(q.dtype), v.to(q.dtype)
         w = self.window(layer)
         out = torch.empty_like(q)
@@ -126,8 +126,12 @@ class TorchAttentionBackend(AttentionBackend):
         if meta.extend:
             self._extend(pages, q, k, v, meta, out, ks, vs, w)
         if meta.decode:
-            self._decode(pages, q, meta, out, ks, vs, w)
+            self._decode(layer, pages, q, meta, out, ks, vs, w)
         return self._recipe.finish(layer, out)
+
+    def _store(self, pages, k, v, slot_mapping, ks, vs):
+        """Quantize and write the step's K/V ``[T, H, D]`` to their slots (int64 ``[T]``)."""
+        store_kv_ref(self.layout, pages, k, v, slot_mapping, ks, vs)
 
     def _sdpa(self, q, k, v, causal=False, mask=None):
         """q [Tq, Hq, D], k/v [Tk, H, D] -> [Tq, Hq, D] (GQA by head grouping)."""
@@ -154,7 +158,7 @@ class TorchAttentionBackend(AttentionBackend):
             mask = _visible(q_pos, torch.arange(lo, c + n, device=q.device), w)
             out[s:s + n] = self._sdpa(q[s:s + n], kk, vv, mask=mask)
 
-    def _decode(self, pages, q, meta, out, ks, vs, w):
+    def _decode(self, layer, pages, q, meta, out, ks, vs, w):
         page_idx, off_idx, mask, lmax = self._dec[w]
         bsz = len(meta.decode)
         kk, vv = gather_rows_ref(self.layout, pages, page_idx, off_idx, ks, vs, q.dtype)

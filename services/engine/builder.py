@@ -96,11 +96,12 @@ def plan_num_pages(cfg: CacheConfig, layout: PageLayout, device: torch.device,
 
 def select_attention_backend(requested: str, layout: PageLayout, device: torch.device,
                              sliding_window: bool = False) -> str:
-    """The backend name for --attention-backend ``requested`` (auto|torch|triton).
+    """The backend name for --attention-backend ``requested`` (auto|torch|torch_fast|triton).
 
     ``auto`` picks ``triton`` on CUDA when Triton imports and its kernels fit the
-    layout, else ``torch``. A forced ``triton`` that cannot run is a ConfigError
-    (on CPU it runs only under Triton's interpreter, TRITON_INTERPRET=1).
+    layout, ``torch_fast`` (the reference with a batched decode) on CPU, else
+    ``torch``. A forced ``triton`` that cannot run is a ConfigError (on CPU it runs
+    only under Triton's interpreter, TRITON_INTERPRET=1).
     ``sliding_window``: the model has sliding-window layers (Gemma 3); only
     backends with ``supports_sliding_window`` qualify (auto falls back to torch).
     """
@@ -110,7 +111,7 @@ def select_attention_backend(requested: str, layout: PageLayout, device: torch.d
                 and (triton_cls.supports_sliding_window or not sliding_window)
                 and triton_cls.unsupported_reason(layout, device) is None):
             return "triton"
-        return "torch"
+        return "torch_fast" if device.type == "cpu" else "torch"
     if requested == "triton":
         if triton_cls is None:
             raise ConfigError(f"--attention-backend triton: Triton is not usable here "

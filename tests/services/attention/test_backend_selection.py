@@ -19,9 +19,9 @@ def layout(head_dim=64, kv="nvfp4"):
     return PageLayout(kv, num_layers=2, num_kv_heads=2, head_dim=head_dim, page_size=16)
 
 
-def test_auto_is_triton_on_cuda_and_torch_elsewhere():
+def test_auto_is_triton_on_cuda_and_torch_fast_on_cpu():
     assert select_attention_backend("auto", layout(), CUDA) == "triton"
-    assert select_attention_backend("auto", layout(), CPU) == "torch"
+    assert select_attention_backend("auto", layout(), CPU) == "torch_fast"
     # A head_dim the decode kernel lacks falls back to torch rather than failing.
     assert select_attention_backend("auto", layout(head_dim=80), CUDA) == "torch"
 

@@ -1,0 +1,140 @@
+"""The CPU decode fast path: the torch backend with a batched, vectorized decode.
+
+Registered as ``torch_fast``; ``--attention-backend auto`` picks it on CPU. Prefill
+and extend run exactly as in the reference ``torch`` backend (``torch_backend.py``),
+which stays the reference the tests compare against. The decode path differs:
+
+* ``plan`` computes once per step the decode sequences' page ids ``[B, M]`` (``M``
+  pages of the longest), their new tokens' slots, and one key mask ``[B, 1, 1, M*S]``
+  per distinct sliding window;
+* the first decode layer of a chunk of layers dequantizes the pages of the whole chunk
+  at once (``kernels.paged_fast.dequantize_pages``) into ``[2, L, B, H, M*S, D]``
+  (K, V); the chunk is every layer unless that workspace would pass
+  ``WORKSPACE_BYTES``; its memory is kept from step to step (about 1.5x the largest
+  workspace so far, lookup indices included), which saves a large allocation's page
+  faults every step;
+* each layer stores its new K/V (``store_kv_fast``: plain NVFP4 K and V in one
+  pass), dequantizes just those rows into the workspace, and runs one SDPA for the
+  batch with each KV head's query heads as the query length (no K/V copy for GQA).
+
+Values are the reference's: the dequantized K/V are bit-identical, the attention
+output equal within fp32 rounding (a different SDPA call shape and padding).
+Formats outside ``paged_fast.FAST_ELEMENTS`` (the rotated-K research formats)
+decode through the reference path.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from nibble.kernels.paged_fast import (dequantize_pages, dequantize_rows, dequantize_stored,
+                                       split_slots, store_kv_fast, supports_layout)
+
+from .base import AttentionMetadata, fresh_kv, register_backend
+from .torch_backend import TorchAttentionBackend, _first_visible
+
+# Upper bound on one chunk's dequantized K+V workspace.
+WORKSPACE_BYTES = 256 * 2**20
+
+
+@register_backend("torch_fast")
+class FastTorchAttentionBackend(TorchAttentionBackend):
+    """:class:`TorchAttentionBackend` (same arguments) with the batched decode above."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fast = supports_layout(self.layout)
+        self._fd: dict | None = None
+        self._chunk: tuple[range, torch.Tensor] | None = None
+        self._stored = None         # what the last store returned (plain NVFP4 codes, scales)
+        self._scratch: dict = {}    # the workspace's memory, kept from step to step
+
+    def plan(self, meta: AttentionMetadata) -> None:
+        self._fd = self._chunk = None
+        if not self.fast or not meta.decode:
+            super().plan(meta)
+            return
+        bt = meta.block_tables.cpu()
+        windows = set(self.sliding_windows) or {None}
+        self._ext = {w: self._plan_extend(meta, bt, w) for w in windows} if meta.extend else {}
+        self._dec = {}
+        ps, dev = self.layout.page_size, self.pool.device
+        dec = torch.tensor(meta.decode, dtype=torch.long)
+        cached = torch.tensor([meta.cached_lens[b] for b in meta.decode], dtype=torch.long)
+        m = (int(cached.max()) // ps) + 1
+        pos = torch.arange(m * ps)
+        masks = {}
+        for w in windows:
+            lo = torch.tensor([_first_visible(int(c), w) for c in cached])
+            ok = (pos[None, :] <= cached[:, None]) & (pos[None, :] >= lo[:, None])
+            masks[w] = ok[:, None, None, :].to(dev)
+        pure = len(meta.decode) == len(meta.seq_starts)
+        self._fd = dict(
+            meta=meta, pure=pure, page_ids=bt[dec, :m].long().to(dev),
+            new_page=bt[dec, cached // ps].long().to(dev), new_off=(cached % ps).to(dev),
+            batch=torch.arange(len(dec), device=dev), cached=cached.to(dev), masks=masks,
+            rows=torch.tensor([meta.seq_starts[b] for b in meta.decode], device=dev),
+            gs=self.pool.global_scales.to(dev), gs_list=self.pool.global_scales.tolist(),
+            slots=split_slots(self.layout, self.pool.layer(0), meta.slot_mapping.to(dev))
+            if pure else None)
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        fd = self._fd
+        if fd is None or not fd["pure"] or meta is not fd["meta"]:
+            return super().forward(layer, q, k, v, meta)
+        # A pure decode step: token b is sequence b's new token, nothing else to attend.
+        pages = self.pool.layer(layer)
+        ks, vs = fd["gs_list"][layer]
+        q, k, v = self._recipe.apply(layer, q, k, v)
+        k, v = fresh_kv(k, self.fp8_fresh), fresh_kv(v, self.fp8_fresh)
+        self._stored = store_kv_fast(self.layout, pages, k, v, meta.slot_mapping, ks, vs,
+                                     fd["slots"])
+        out = self._attend(layer, pages, q, ks, vs, self.window(layer), pure=True)
+        return self._recipe.finish(layer, out)
+
+    def _store(self, pages, k, v, slot_mapping, ks, vs):
+        self._stored = store_kv_fast(self.layout, pages, k, v, slot_mapping, ks, vs)
+
+    def _workspace(self, layer: int, dtype: torch.dtype) -> torch.Tensor:
+        """Layer ``layer``'s dequantized pages ``[2, B, H, M*S, D]`` (K, V) from the current
+        chunk, dequantizing the next chunk (from ``layer`` on) when it is not there."""
+        if self._chunk is None or layer not in self._chunk[0] or self._chunk[1].dtype != dtype:
+            fd, lay = self._fd, self.layout
+            b, m = fd["page_ids"].shape
+            per_layer = 2 * b * lay.num_kv_heads * m * lay.page_size * lay.head_dim * \
+                torch.empty((), dtype=dtype).element_size()
+            n = max(1, WORKSPACE_BYTES // per_layer)
+            layers = range(layer, min(layer + n, lay.num_layers))
+            kv = dequantize_pages(lay, self.pool.pages, fd["page_ids"], layers, fd["gs"], dtype,
+                                  self._scratch)
+            self._chunk = (layers, kv)
+        layers, kv = self._chunk
+        return kv[:, layer - layers.start]
+
+    def _attend(self, layer, pages, q, ks, vs, w, pure: bool) -> torch.Tensor:
+        """The decode rows' attention ``[B, Hq, D]`` (q: the step's ``[T, Hq, D]``)."""
+        fd = self._fd
+        kv = self._workspace(layer, q.dtype)
+        # The rows this step just stored (stale in the workspace, dequantized before the store).
+        if self._stored is not None:
+            codes, scales = self._stored
+            if not pure:
+                codes, scales = codes[:, fd["rows"]], scales[:, fd["rows"]]
+            new = dequantize_stored(self.layout, codes, scales, fd["gs"][layer], q.dtype)
+        else:
+            new = dequantize_rows(self.layout, pages, fd["new_page"], fd["new_off"], ks, vs,
+                                  q.dtype)
+        kv[:, fd["batch"], :, fd["cached"]] = new.transpose(0, 1)    # [B, 2, H, D]
+        _, b, h, _, d = kv.shape
+        qq = (q if pure else q[fd["rows"]]).reshape(b, h, -1, d)     # [B, H, G, D]
+        o = F.scaled_dot_product_attention(qq, kv[0], kv[1], attn_mask=fd["masks"][w],
+                                           scale=self.sm_scale)
+        return o.reshape(b, -1, d)
+
+    def _decode(self, layer, pages, q, meta, out, ks, vs, w):
+        if self._fd is None:
+            super()._decode(layer, pages, q, meta, out, ks, vs, w)
+            return
+        out[self._fd["rows"]] = self._attend(layer, pages, q, ks, vs, w, pure=False)
