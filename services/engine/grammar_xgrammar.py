@@ -21,11 +21,14 @@ else:
 
 
 class XGrammarMatcher(Matcher):
-    def __init__(self, compiled: Any):
+    def __init__(self, compiled: Any, allowed: torch.Tensor | None = None):
         self._m = xgr.GrammarMatcher(compiled)
+        self._allowed = allowed       # ANDed into every mask row (JSON grammars)
 
     def fill_mask(self, mask: torch.Tensor, row: int) -> None:
         self._m.fill_next_token_bitmask(mask, row)
+        if self._allowed is not None:
+            mask[row] &= self._allowed
 
     def accept(self, token_id: int) -> bool:
         return bool(self._m.accept_token(token_id))
@@ -56,6 +59,23 @@ class XGrammarBackend(GrammarBackend):
                                  stop_token_ids=sorted(tokenizer.eos_token_ids),
                                  add_prefix_space=bool(meta["add_prefix_space"]))
         self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+        self._json_allowed = self._clean_text_tokens(info, vocab_size)
+
+    @staticmethod
+    def _clean_text_tokens(info: Any, vocab_size: int) -> torch.Tensor:
+        """Packed int32 ``[ceil(V / 32)]`` bitmask of the tokens whose bytes are whole UTF-8
+        without control characters (special tokens, decoding to nothing, stay allowed).
+        xgrammar's JSON strings admit raw control characters and byte tokens that leave
+        invalid UTF-8, which strict JSON parsers reject; JSON grammars are ANDed with this."""
+        words = torch.full(((vocab_size + 31) // 32,), -1, dtype=torch.int32)
+        for i, raw in enumerate(info.decoded_vocab[:vocab_size]):
+            try:
+                text = bytes(raw).decode("utf-8")
+            except UnicodeDecodeError:
+                text = None
+            if text is None or any(ord(c) < 0x20 for c in text):
+                words[i // 32] &= ~(1 << (i % 32)) if i % 32 != 31 else 0x7FFFFFFF
+        return words
 
     def _compile(self, spec: GrammarSpec) -> Any:
         try:
@@ -77,7 +97,8 @@ class XGrammarBackend(GrammarBackend):
                                param=param) from exc
 
     def matcher(self, spec: GrammarSpec) -> Matcher:
-        return XGrammarMatcher(self.compile(spec))
+        json_kind = spec.kind in ("json_object", "json_schema")
+        return XGrammarMatcher(self.compile(spec), self._json_allowed if json_kind else None)
 
     def new_mask(self, rows: int) -> torch.Tensor:
         return xgr.allocate_token_bitmask(rows, self.vocab_size)
