@@ -25,6 +25,8 @@ from ..errors import InvalidRequestError
 from .grammar_spec import GRAMMAR_KINDS, GrammarSpec
 
 CACHE_SIZE = 256
+# the error code of a grammar that does not compile: no request schema can rule it out
+GRAMMAR_COMPILE_ERROR = "grammar_compile_error"
 
 
 class GrammarError(InvalidRequestError):

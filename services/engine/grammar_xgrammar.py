@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from .grammar import (GrammarBackend, GrammarError, GrammarSpec, Matcher,
-                      register_grammar_backend)
+from .grammar import (GRAMMAR_COMPILE_ERROR, GrammarBackend, GrammarError, GrammarSpec,
+                      Matcher, register_grammar_backend)
 
 try:
     import xgrammar as xgr
@@ -91,10 +91,10 @@ class XGrammarBackend(GrammarBackend):
             if spec.kind == "regex":
                 return self._compiler.compile_regex(spec.source)
             return self._compiler.compile_grammar(spec.source)
-        except (RuntimeError, ValueError, TypeError) as exc:
+        except (RuntimeError, ValueError, TypeError, KeyError, IndexError) as exc:
             param = {"regex": "regex", "ebnf": "ebnf"}.get(spec.kind, "response_format")
             raise GrammarError(f"the {spec.kind} grammar does not compile: {exc}",
-                               param=param) from exc
+                               param=param, code=GRAMMAR_COMPILE_ERROR) from exc
 
     def matcher(self, spec: GrammarSpec) -> Matcher:
         json_kind = spec.kind in ("json_object", "json_schema")

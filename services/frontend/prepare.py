@@ -52,11 +52,14 @@ def _check_common(body: SamplingFields) -> None:
         raise InvalidRequestError("top_k must be -1, 0 (off) or >= 1", param="top_k")
 
 
+TOKEN_ID_OUT_OF_RANGE = "token_id_out_of_range"   # depends on the model's vocabulary
+
+
 def check_token_ids(tokenizer: Any, ids: list[int], param: str) -> None:
     vocab = getattr(tokenizer, "vocab_size", None)
     if isinstance(vocab, int) and ids and max(ids) >= vocab:
         raise InvalidRequestError(f"token id {max(ids)} is out of range (vocab size {vocab})",
-                                  param=param)
+                                  param=param, code=TOKEN_ID_OUT_OF_RANGE)
 
 
 def resolve_max_tokens(requested: int | None, prompt_len: int, context_length: int,
@@ -99,12 +102,12 @@ def grammar_spec(engine: EngineClient, body: SamplingFields) -> GrammarSpec | No
     A 400 when several are given, when it does not compile, or when grammars are off."""
     rf = body.response_format
     given = []
-    if rf is not None and rf.type == "json_object":
+    schema = rf.json_schema.schema_ if rf is not None and rf.json_schema is not None else None
+    if rf is not None and (rf.type == "json_object" or (rf.type == "json_schema"
+                                                        and schema is None)):
+        # OpenAI's json_schema.schema is optional: without one, any JSON object
         given.append(("response_format", GrammarSpec("json_object")))
     elif rf is not None and rf.type == "json_schema":
-        if rf.json_schema is None or rf.json_schema.schema_ is None:
-            raise InvalidRequestError("response_format json_schema needs json_schema.schema",
-                                      param="response_format")
         given.append(("response_format", GrammarSpec(
             "json_schema", json.dumps(rf.json_schema.schema_, sort_keys=True),
             bool(rf.json_schema.strict))))
@@ -238,8 +241,6 @@ def chat_messages(body: ChatCompletionRequest) -> list[dict[str, str]]:
 def prepare_chat(engine: EngineClient, body: ChatCompletionRequest) -> Prepared:
     check_model(engine, body.model)
     _check_common(body)
-    if body.top_logprobs is not None and not body.logprobs:
-        raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs")
     messages = chat_messages(body)
     check_prompt_chars(sum(len(m["content"]) for m in messages), engine.context_length,
                        "messages")
@@ -247,4 +248,5 @@ def prepare_chat(engine: EngineClient, body: ChatCompletionRequest) -> Prepared:
     ids = list(engine.tokenizer.encode(text, add_special_tokens=False))
     max_tokens = body.max_completion_tokens or body.max_tokens
     return _finish_prepare(engine, body, ids, max_tokens, "messages", "chatcmpl", ChatFormatter,
+                           # top_logprobs takes effect with logprobs: true only
                            (body.top_logprobs or 0) if body.logprobs else None)

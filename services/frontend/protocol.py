@@ -86,6 +86,16 @@ NoToolChoice = only(Text, "none", "tool_choice is not supported yet (tool callin
 CompletionLogprobs = whole(ge=0, le=5)         # OpenAI's bound for /v1/completions
 TopLogprobs = whole(ge=0, le=20)
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+NonNegative = whole(ge=0)
+TOKEN_ID_KEY = r"^(0|[1-9][0-9]{0,8})$"
+# {"token id": bias}; the schema says it with patternProperties, which generators honour
+LogitBias = Annotated[
+    dict[Annotated[str, Field(pattern=TOKEN_ID_KEY)], Annotated[float, Field(ge=-100.0,
+                                                                              le=100.0)]] | None,
+    WithJsonSchema({"anyOf": [{"type": "object", "additionalProperties": False,
+                               "patternProperties": {TOKEN_ID_KEY: {
+                                   "type": "number", "minimum": -100, "maximum": 100}}},
+                              {"type": "null"}]})]
 OneBestOf = only(Int, 1, "best_of must be 1")
 NoSuffix = only(str, "", "suffix is not supported")
 PartType = Annotated[str, AfterValidator(_text_part), WithJsonSchema({"const": "text"})]
@@ -137,8 +147,8 @@ class SamplingFields(_Request):
     frequency_penalty: Penalty | None = None
     repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)   # extension (vLLM)
     min_p: float | None = Field(None, ge=0.0, le=1.0)                 # extension (vLLM)
-    min_tokens: Annotated[int, Field(ge=0)] | None = None             # extension (vLLM)
-    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    min_tokens: NonNegative | None = None                             # extension (vLLM)
+    logit_bias: LogitBias = None
     tools: NoTools = None
     tool_choice: NoToolChoice = None
     response_format: ResponseFormat | None = None
@@ -246,6 +256,15 @@ class Formatter:
         raise NotImplementedError
 
 
+# JSON has no -inf: a token the processed logits rule out (a bias of -100, min_tokens, a top
+# entry beyond the finite ones) is reported at OpenAI's floor
+MIN_LOGPROB = -9999.0
+
+
+def _lp(value: float) -> float:
+    return value if value >= MIN_LOGPROB else MIN_LOGPROB
+
+
 class CompletionFormatter(Formatter):
     """``text_completion`` objects of /v1/completions."""
 
@@ -264,8 +283,8 @@ class CompletionFormatter(Formatter):
         for t in tokens:
             offsets.append(self.offset)
             self.offset += len(t)
-        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
-                "top_logprobs": [{self.token_text(t): v for t, v in lp.top} for lp in lps],
+        return {"tokens": tokens, "token_logprobs": [_lp(lp.logprob) for lp in lps],
+                "top_logprobs": [{self.token_text(t): _lp(v) for t, v in lp.top} for lp in lps],
                 "text_offset": offsets}
 
     def text_chunk(self, text: str, lps: list[TokenLogprob] | None = None) -> dict[str, Any]:
@@ -293,7 +312,7 @@ class ChatFormatter(Formatter):
 
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
         text = self.token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        return {"token": text, "logprob": _lp(logprob), "bytes": list(text.encode("utf-8"))}
 
     def logprobs(self, lps: list[TokenLogprob] | None) -> dict[str, Any] | None:
         """``{"content": [{token, logprob, bytes, top_logprobs}], "refusal": None}``."""

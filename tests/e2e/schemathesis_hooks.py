@@ -1,9 +1,12 @@
 """Schemathesis hooks for tests/e2e/test_schemathesis.py (loaded through SCHEMATHESIS_HOOKS).
 
 One check replaces schemathesis' ``positive_data_acceptance``: a schema-valid
-request must be accepted, except for the one 400 that no schema can rule out,
-a prompt plus max_tokens longer than the model's context (it depends on how the
-prompt tokenizes), which the server marks with ``code: context_length_exceeded``.
+request must be accepted, except for the 400s that no schema can rule out: a
+prompt plus max_tokens longer than the model's context (it depends on how the
+prompt tokenizes), marked ``code: context_length_exceeded``, and a regex, EBNF
+grammar or JSON schema that does not compile, marked ``code: grammar_compile_error``,
+and a logit_bias key beyond the vocabulary, ``code: token_id_out_of_range`` (prompt
+token ids are capped in the served schema).
 Any other 400 on schema-valid input is still a mismatch.
 """
 
@@ -14,7 +17,8 @@ import json
 import schemathesis
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
-MODEL_DEPENDENT_CODES = {"context_length_exceeded"}
+MODEL_DEPENDENT_CODES = {"context_length_exceeded", "grammar_compile_error",
+                         "token_id_out_of_range"}
 
 
 def _error_code(body: bytes) -> str | None:
