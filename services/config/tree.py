@@ -55,6 +55,11 @@ def storage_backend_choices() -> list[str]:
     return [*storage_backend_names(), "none"]
 
 
+def tool_parser_choices() -> list[str]:
+    from ..frontend.tool_parsers import tool_parser_names
+    return ["auto", *tool_parser_names(), "none"]
+
+
 def transport_choices() -> list[str]:
     from nibble.tiering.transfer import transport_names
     return transport_names()
@@ -257,6 +262,11 @@ class ServerConfig:
                    "then end the remaining streams with an error event")
     max_request_body_bytes: int = flag(
         16 << 20, help="largest HTTP request body and gRPC message accepted")
+    tool_call_parser: str = flag(
+        "auto", choices=tool_parser_choices,
+        help="how tool calls are read from the model's output (chat tools / tool_choice): "
+             "hermes (<tool_call> blocks: Qwen2.5/3, Hermes, SmolLM2-style ChatML), "
+             "llama3_json, pythonic; auto picks from the chat template; none refuses tools")
 
 
 def grammar_backend_choices() -> list[str]:

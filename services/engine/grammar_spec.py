@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "ebnf")
+GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "ebnf", "structural_tag")
 
 
 @dataclass(frozen=True)
@@ -13,5 +13,6 @@ class GrammarSpec:
     """What a request's output must match."""
 
     kind: str                    # one of GRAMMAR_KINDS
-    source: str = ""             # the schema (JSON text), regex or EBNF; "" for json_object
+    source: str = ""             # the schema (JSON text), regex, EBNF or structural tag (JSON
+                                 # text: tool calls); "" for json_object
     strict: bool = True          # json_schema: no properties beyond the schema's

@@ -90,9 +90,12 @@ class XGrammarBackend(GrammarBackend):
                                                           strict_mode=spec.strict)
             if spec.kind == "regex":
                 return self._compiler.compile_regex(spec.source)
+            if spec.kind == "structural_tag":
+                return self._compiler.compile_structural_tag(spec.source)
             return self._compiler.compile_grammar(spec.source)
         except (RuntimeError, ValueError, TypeError, KeyError, IndexError) as exc:
-            param = {"regex": "regex", "ebnf": "ebnf"}.get(spec.kind, "response_format")
+            param = {"regex": "regex", "ebnf": "ebnf", "structural_tag": "tools"}.get(
+                spec.kind, "response_format")
             raise GrammarError(f"the {spec.kind} grammar does not compile: {exc}",
                                param=param, code=GRAMMAR_COMPILE_ERROR) from exc
 

@@ -20,8 +20,9 @@ from ..engine.grammar import backend_for
 from ..engine.grammar_spec import GrammarSpec
 from ..engine.types import GenerateRequest, SamplingParams
 from ..errors import ContextLengthExceededError, InvalidRequestError, ModelNotFoundError
-from .protocol import (ChatCompletionRequest, ChatFormatter, CompletionFormatter,
-                       CompletionRequest, Formatter, SamplingFields, new_request_id)
+from .protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, new_request_id
+from .responses import ChatFormatter, CompletionFormatter, Formatter
+from .tool_prompt import TOOL_PARSER_AUTO, ToolPlan, plan_tools, template_messages
 
 # No token of any tokenizer we load spans more characters than this on average over a
 # prompt; a longer text cannot fit the context, so it is refused before tokenizing it.
@@ -35,6 +36,8 @@ class Prepared:
     gen_req: GenerateRequest
     stream: bool
     fmt: Formatter
+    n: int = 1                  # choices: n engine requests, the prompt computed once
+    echo: str = ""              # completions with echo: the prompt's text, before the output
 
 
 def check_model(engine: EngineClient, requested: str | None) -> None:
@@ -45,9 +48,6 @@ def check_model(engine: EngineClient, requested: str | None) -> None:
 
 
 def _check_common(body: SamplingFields) -> None:
-    if body.n not in (None, 1):
-        raise InvalidRequestError("n must be 1: several choices per request are not supported",
-                                  param="n")
     if body.top_k is not None and body.top_k < -1:
         raise InvalidRequestError("top_k must be -1, 0 (off) or >= 1", param="top_k")
 
@@ -96,12 +96,14 @@ def check_prompt_chars(n_chars: int, context_length: int, param: str) -> None:
             code="context_length_exceeded")
 
 
-def grammar_spec(engine: EngineClient, body: SamplingFields) -> GrammarSpec | None:
+def grammar_spec(engine: EngineClient, body: SamplingFields,
+                 tools: GrammarSpec | None = None) -> GrammarSpec | None:
     """The request's structured-output constraint, compiled here (off the engine thread,
-    cached by spec): ``response_format`` json_object / json_schema, or ``regex`` / ``ebnf``.
-    A 400 when several are given, when it does not compile, or when grammars are off."""
+    cached by spec): ``response_format`` json_object / json_schema, ``regex`` / ``ebnf``, or
+    ``tools`` (the grammar of a forced tool call). A 400 when several are given, when it
+    does not compile, or when grammars are off."""
     rf = body.response_format
-    given = []
+    given = [("tool_choice", tools)] if tools is not None else []
     schema = rf.json_schema.schema_ if rf is not None and rf.json_schema is not None else None
     if rf is not None and (rf.type == "json_object" or (rf.type == "json_schema"
                                                         and schema is None)):
@@ -165,18 +167,21 @@ def logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
 
 def _finish_prepare(engine: EngineClient, body: SamplingFields, ids: list[int], max_tokens: int | None,
                     param: str, prefix: str, fmt_cls: type[Formatter],
-                    logprobs: int | None = None) -> Prepared:
+                    logprobs: int | None = None, tools: ToolPlan | None = None) -> Prepared:
     max_tokens = resolve_max_tokens(max_tokens, len(ids), engine.context_length, param)
     rid = new_request_id(prefix)
     stream = bool(body.stream)
     include_usage = stream and bool(body.stream_options and body.stream_options.include_usage)
-    sampling = sampling_params(body, max_tokens, logprobs, grammar_spec(engine, body))
+    grammar = grammar_spec(engine, body, tools.grammar if tools is not None else None)
+    sampling = sampling_params(body, max_tokens, logprobs, grammar)
     check_token_ids(engine.tokenizer, [t for t, _ in sampling.logit_bias], "logit_bias")
     gen_req = GenerateRequest(request_id=rid, prompt_token_ids=ids, sampling=sampling,
                               cache_salt=body.cache_salt)
+    n = body.n or 1
+    kw = {"tools": tools.parser} if tools is not None else {}
     fmt = fmt_cls(rid, engine.model_name, include_usage,
-                  token_text(engine.tokenizer) if logprobs is not None else None)
-    return Prepared(gen_req, stream, fmt)
+                  token_text(engine.tokenizer) if logprobs is not None else None, n, **kw)
+    return Prepared(gen_req, stream, fmt, n)
 
 
 def token_text(tokenizer: Any):
@@ -208,45 +213,35 @@ def completion_prompt_ids(tokenizer: Any, prompt: str | list, context_length: in
 def prepare_completion(engine: EngineClient, body: CompletionRequest) -> Prepared:
     check_model(engine, body.model)
     _check_common(body)
-    if body.echo:
-        raise InvalidRequestError("echo is not supported", param="echo")
+    if body.echo and body.logprobs is not None:
+        raise InvalidRequestError("echo with logprobs is not supported yet (the prompt's "
+                                  "logprobs); use echo or logprobs", param="echo")
     if body.best_of not in (None, 1):
         raise InvalidRequestError("best_of must be 1", param="best_of")
     if body.suffix:
         raise InvalidRequestError("suffix is not supported", param="suffix")
     ids = completion_prompt_ids(engine.tokenizer, body.prompt, engine.context_length)
-    return _finish_prepare(engine, body, ids, body.max_tokens, "prompt", "cmpl",
-                           CompletionFormatter, body.logprobs)
+    p = _finish_prepare(engine, body, ids, body.max_tokens, "prompt", "cmpl",
+                        CompletionFormatter, body.logprobs)
+    if body.echo:
+        p.echo = engine.tokenizer.decode(ids, skip_special_tokens=False)
+    return p
 
 
-def chat_messages(body: ChatCompletionRequest) -> list[dict[str, str]]:
-    """Messages as the chat template takes them: text-only content, joined parts."""
-    out = []
-    for i, m in enumerate(body.messages):
-        content = m.content
-        if isinstance(content, list):
-            texts = []
-            for part in content:
-                if part.type != "text" or part.text is None:
-                    raise InvalidRequestError(
-                        f"messages[{i}]: only 'text' content parts are supported, "
-                        f"got '{part.type}'", param=f"messages[{i}].content")
-                texts.append(part.text)
-            content = "\n".join(texts)
-        role = "system" if m.role == "developer" else m.role
-        out.append({"role": role, "content": content or ""})
-    return out
-
-
-def prepare_chat(engine: EngineClient, body: ChatCompletionRequest) -> Prepared:
+def prepare_chat(engine: EngineClient, body: ChatCompletionRequest,
+                 tool_parser: str = TOOL_PARSER_AUTO) -> Prepared:
+    """``tool_parser``: the server's --tool-call-parser (tool_prompt.py)."""
     check_model(engine, body.model)
     _check_common(body)
-    messages = chat_messages(body)
+    template = getattr(getattr(engine.tokenizer, "chat_template", None), "source", None)
+    tools = plan_tools(body, tool_parser, template)
+    messages = template_messages(body, tools)
     check_prompt_chars(sum(len(m["content"]) for m in messages), engine.context_length,
                        "messages")
-    text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    extra = {"tools": tools.template_tools} if tools.template_tools else {}
+    text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **extra)
     ids = list(engine.tokenizer.encode(text, add_special_tokens=False))
     max_tokens = body.max_completion_tokens or body.max_tokens
     return _finish_prepare(engine, body, ids, max_tokens, "messages", "chatcmpl", ChatFormatter,
                            # top_logprobs takes effect with logprobs: true only
-                           (body.top_logprobs or 0) if body.logprobs else None)
+                           (body.top_logprobs or 0) if body.logprobs else None, tools)

@@ -1,25 +1,20 @@
-"""OpenAI wire format: request models (validated by FastAPI) and response builders.
+"""OpenAI wire format: the request models (validated by FastAPI).
 
 Requests are pydantic models that ignore unknown fields, as OpenAI-compatible
 servers do. They validate strictly (``true`` is no token id, ``"1"`` no integer)
 and refuse text that is not valid Unicode (a lone surrogate such as ``"\\ud800"``),
 so that what the published schema (/openapi.json) calls valid is exactly what
 is accepted; options Nibble does not support accept only their "off" value.
-
-Responses are plain dicts in OpenAI's exact schema, built by the two formatters
-below (one per endpoint); the serving code drives either one through the same
-calls, so it never branches on the endpoint.
+The responses are built in responses.py.
 """
 
 from __future__ import annotations
 
-import time
 import uuid
-from typing import Annotated, Any, Callable, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
 
-from ..engine.types import FinishReason, TokenLogprob, Usage
 
 
 def valid_unicode(text: str) -> str:
@@ -79,10 +74,13 @@ def _text_part(kind: str) -> str:
     return kind
 
 
-OneChoice = only(Int, 1, "n must be 1: several choices per request are not supported")
-NoEcho = only(bool, False, "echo is not supported")
-NoTools = only(list, [], "tools (tool calling) are not supported yet")
-NoToolChoice = only(Text, "none", "tool_choice is not supported yet (tool calling)")
+MAX_CHOICES = 16
+Choices = whole(ge=1, le=MAX_CHOICES)           # n: choices per request
+NoTools = only(list, [], "tools are a chat feature: use /v1/chat/completions")
+NoToolChoice = only(Text, "none", "tool_choice is a chat feature: use /v1/chat/completions")
+MAX_TOOLS = 128
+# OpenAI's function names: what every tool-call syntax can carry verbatim
+FunctionName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
 CompletionLogprobs = whole(ge=0, le=5)         # OpenAI's bound for /v1/completions
 TopLogprobs = whole(ge=0, le=20)
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
@@ -137,7 +135,7 @@ class SamplingFields(_Request):
     seed: Seed | None = None
     stop: Text | list[Text] | None = None
     stop_token_ids: list[TokenId] | None = None       # extension (vLLM)
-    n: OneChoice = None                               # only 1 is supported
+    n: Choices | None = None                          # choices; the prompt is computed once
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = False                   # extension (benchmarks)
@@ -149,8 +147,6 @@ class SamplingFields(_Request):
     min_p: float | None = Field(None, ge=0.0, le=1.0)                 # extension (vLLM)
     min_tokens: NonNegative | None = None                             # extension (vLLM)
     logit_bias: LogitBias = None
-    tools: NoTools = None
-    tool_choice: NoToolChoice = None
     response_format: ResponseFormat | None = None
     regex: Text | None = None                         # extension (SGLang): output matches it
     ebnf: Text | None = None                          # extension (SGLang): an EBNF grammar
@@ -158,7 +154,9 @@ class SamplingFields(_Request):
 
 class CompletionRequest(SamplingFields):
     prompt: Prompt
-    echo: NoEcho = False
+    echo: bool | None = False                       # the prompt's text (and logprobs) first
+    tools: NoTools = None
+    tool_choice: NoToolChoice = None
     logprobs: CompletionLogprobs | None = None
     best_of: OneBestOf = None
     suffix: NoSuffix = None
@@ -169,10 +167,48 @@ class ContentPart(_Request):
     text: Text
 
 
+class CalledFunction(_Request):
+    name: FunctionName
+    arguments: Text                                 # JSON text of an object
+
+
+class ToolCallIn(_Request):
+    """A call of an earlier assistant turn, as the client sends it back."""
+
+    id: Text
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[ContentPart] | None = None
     name: Text | None = None
+    tool_calls: list[ToolCallIn] | None = None      # assistant: the calls it made
+    tool_call_id: Text | None = None                # tool: the call this result answers
+
+
+class FunctionDef(_Request):
+    name: FunctionName
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None        # JSON Schema of the arguments object
+    strict: bool | None = None
+
+
+class ToolDef(_Request):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Request):
+    name: FunctionName
+
+
+class NamedToolChoice(_Request):
+    """``{"type": "function", "function": {"name": ...}}``: call this function."""
+
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -180,160 +216,11 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Positive | None = None   # wins over max_tokens
     logprobs: bool | None = False
     top_logprobs: TopLogprobs | None = None
+    tools: Annotated[list[ToolDef], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None         # default true
 
 
 def new_request_id(prefix: str) -> str:
     """Server-unique id such as ``chatcmpl-<32 hex>``."""
     return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def _prompt_details(usage) -> dict:
-    """OpenAI's cached_tokens, plus Nibble's split by tier when the tiers are on (extension)."""
-    details = {"cached_tokens": usage.cached_tokens}
-    by_tier = getattr(usage, "cached_by_tier", None)
-    if by_tier:
-        details["cached_tokens_by_tier"] = dict(by_tier)
-    return details
-
-
-def usage_dict(usage: Usage) -> dict[str, Any]:
-    return {
-        "prompt_tokens": usage.prompt_tokens,
-        "completion_tokens": usage.completion_tokens,
-        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
-        "prompt_tokens_details": _prompt_details(usage),
-    }
-
-
-def finish_reason_str(reason: FinishReason | None) -> str | None:
-    return None if reason is None else reason.value
-
-
-class Formatter:
-    """Builds one request's response objects; subclasses fix the endpoint's shapes."""
-
-    object_full: str
-    object_chunk: str
-
-    def __init__(self, request_id: str, model: str, include_usage: bool = False,
-                 token_text: Callable[[int], str] | None = None):
-        self.request_id = request_id
-        self.model = model
-        self.created = int(time.time())
-        self.include_usage = include_usage   # streaming only: usage null per chunk + final usage chunk
-        self.token_text = token_text         # set when the request asked for logprobs
-        self.offset = 0                      # completions: text offset of the next token
-
-    def logprobs(self, lps: list[TokenLogprob] | None) -> dict[str, Any] | None:
-        """The endpoint's ``logprobs`` object for ``lps`` (None when not asked for)."""
-        return None
-
-    def _envelope(self, obj: str, choices: list[dict], usage: Any = ...) -> dict[str, Any]:
-        out = {"id": self.request_id, "object": obj, "created": self.created,
-               "model": self.model, "system_fingerprint": None, "choices": choices}
-        if usage is not ...:
-            out["usage"] = usage
-        return out
-
-    def chunk(self, choice: dict) -> dict[str, Any]:
-        return self._envelope(self.object_chunk, [choice], None if self.include_usage else ...)
-
-    def usage_chunk(self, usage: Usage) -> dict[str, Any]:
-        """The final chunk of a stream with include_usage: empty choices, the usage."""
-        return self._envelope(self.object_chunk, [], usage_dict(usage))
-
-    def start_chunks(self) -> list[dict[str, Any]]:
-        return []
-
-    def text_chunk(self, text: str, lps: list[TokenLogprob] | None = None) -> dict[str, Any]:
-        raise NotImplementedError
-
-    def finish_chunk(self, reason: FinishReason | None) -> dict[str, Any]:
-        raise NotImplementedError
-
-    def full(self, text: str, reason: FinishReason | None, usage: Usage,
-             lps: list[TokenLogprob] | None = None) -> dict[str, Any]:
-        raise NotImplementedError
-
-
-# JSON has no -inf: a token the processed logits rule out (a bias of -100, min_tokens, a top
-# entry beyond the finite ones) is reported at OpenAI's floor
-MIN_LOGPROB = -9999.0
-
-
-def _lp(value: float) -> float:
-    return value if value >= MIN_LOGPROB else MIN_LOGPROB
-
-
-class CompletionFormatter(Formatter):
-    """``text_completion`` objects of /v1/completions."""
-
-    object_full = object_chunk = "text_completion"
-
-    @staticmethod
-    def _choice(text: str, reason: str | None, logprobs: dict | None = None) -> dict[str, Any]:
-        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}
-
-    def logprobs(self, lps: list[TokenLogprob] | None) -> dict[str, Any] | None:
-        """``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`` (legacy shape)."""
-        if self.token_text is None or lps is None:
-            return None
-        tokens = [self.token_text(lp.token_id) for lp in lps]
-        offsets = []
-        for t in tokens:
-            offsets.append(self.offset)
-            self.offset += len(t)
-        return {"tokens": tokens, "token_logprobs": [_lp(lp.logprob) for lp in lps],
-                "top_logprobs": [{self.token_text(t): _lp(v) for t, v in lp.top} for lp in lps],
-                "text_offset": offsets}
-
-    def text_chunk(self, text: str, lps: list[TokenLogprob] | None = None) -> dict[str, Any]:
-        return self.chunk(self._choice(text, None, self.logprobs(lps)))
-
-    def finish_chunk(self, reason: FinishReason | None) -> dict[str, Any]:
-        return self.chunk(self._choice("", finish_reason_str(reason)))
-
-    def full(self, text: str, reason: FinishReason | None, usage: Usage,
-             lps: list[TokenLogprob] | None = None) -> dict[str, Any]:
-        choice = self._choice(text, finish_reason_str(reason), self.logprobs(lps or []))
-        return self._envelope(self.object_full, [choice], usage_dict(usage))
-
-
-class ChatFormatter(Formatter):
-    """``chat.completion`` / ``chat.completion.chunk`` objects of /v1/chat/completions."""
-
-    object_full = "chat.completion"
-    object_chunk = "chat.completion.chunk"
-
-    def _delta(self, delta: dict, reason: str | None, logprobs: dict | None = None
-               ) -> dict[str, Any]:
-        return self.chunk({"index": 0, "delta": delta, "logprobs": logprobs,
-                           "finish_reason": reason})
-
-    def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
-        text = self.token_text(token_id)
-        return {"token": text, "logprob": _lp(logprob), "bytes": list(text.encode("utf-8"))}
-
-    def logprobs(self, lps: list[TokenLogprob] | None) -> dict[str, Any] | None:
-        """``{"content": [{token, logprob, bytes, top_logprobs}], "refusal": None}``."""
-        if self.token_text is None or lps is None:
-            return None
-        return {"content": [{**self._entry(lp.token_id, lp.logprob),
-                             "top_logprobs": [self._entry(t, v) for t, v in lp.top]}
-                            for lp in lps], "refusal": None}
-
-    def start_chunks(self) -> list[dict[str, Any]]:
-        return [self._delta({"role": "assistant", "content": ""}, None)]
-
-    def text_chunk(self, text: str, lps: list[TokenLogprob] | None = None) -> dict[str, Any]:
-        return self._delta({"content": text}, None, self.logprobs(lps))
-
-    def finish_chunk(self, reason: FinishReason | None) -> dict[str, Any]:
-        return self._delta({}, finish_reason_str(reason))
-
-    def full(self, text: str, reason: FinishReason | None, usage: Usage,
-             lps: list[TokenLogprob] | None = None) -> dict[str, Any]:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-                  "logprobs": self.logprobs(lps or []),
-                  "finish_reason": finish_reason_str(reason)}
-        return self._envelope(self.object_full, [choice], usage_dict(usage))

@@ -83,7 +83,8 @@ def openai_router() -> APIRouter:
 
     @router.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await _run(request, prepare_chat, body)
+        parser = request.app.state.server_cfg.tool_call_parser
+        return await _run(request, functools.partial(prepare_chat, tool_parser=parser), body)
 
     @router.get("/models")
     async def list_models(request: Request) -> dict[str, Any]:

@@ -12,7 +12,7 @@ gets ``abort(request_id)`` so its KV pages are freed.
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import dataclasses
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -23,11 +23,12 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from ..engine.client import EngineClient
-from ..engine.types import RequestOutput, TokenLogprob
+from ..engine.types import RequestOutput
 from ..errors import NibbleError
 from ..frontend.errors import EngineOutputError
+from ..frontend.choices import ChoiceStreams, Track, choice_requests, total_usage
 from ..frontend.prepare import Prepared
-from ..frontend.tracking import AbortGuard
+from ..frontend.responses import Choice
 from .errors import ClientDisconnected, error_body
 
 log = logging.getLogger(__name__)
@@ -62,26 +63,27 @@ async def race_disconnect(request: Request, aw: Awaitable[T]) -> T:
     raise ClientDisconnected()
 
 
-async def _first_output(gen: AsyncIterator[RequestOutput]) -> RequestOutput:
-    try:
-        return await gen.__anext__()
-    except StopAsyncIteration:
-        raise EngineOutputError("the engine ended the request without any output") from None
+async def _collect(streams: ChoiceStreams) -> list[RequestOutput]:
+    """Run every choice to its end: the last output of each, its text and logprobs joined
+    into ``text_delta`` / ``logprobs``."""
+    first = await streams.first()
+    n = len(streams.reqs)
+    parts, lps, last = [[] for _ in range(n)], [[] for _ in range(n)], [None] * n
 
+    def add(i: int, out: RequestOutput) -> None:
+        parts[i].append(out.text_delta)
+        lps[i] += out.logprobs or []
+        last[i] = out
 
-async def _collect(gen: AsyncIterator[RequestOutput]
-                   ) -> tuple[str, RequestOutput, list[TokenLogprob]]:
-    parts, last, lps = [], None, []
-    async with contextlib.aclosing(gen):
-        async for out in gen:
-            parts.append(out.text_delta)
-            lps += out.logprobs or []
-            last = out
-            if out.finished:
-                break
-    if last is None or not last.finished:
+    add(0, first)
+    async for i, out in streams.rest(first):
+        add(i, out)
+    if any(o is None or not o.finished for o in last):
         raise EngineOutputError("the engine ended the request without finishing it")
-    return "".join(parts), last, lps
+    for i in range(n):
+        streams.finish(i)
+        last[i] = dataclasses.replace(last[i], text_delta="".join(parts[i]), logprobs=lps[i])
+    return last
 
 
 def _sse(obj: dict[str, Any]) -> str:
@@ -107,28 +109,37 @@ class ClosingStreamingResponse(StreamingResponse):
                 await self.on_close()
 
 
-async def _sse_stream(p: Prepared, gen: AsyncIterator[RequestOutput], first: RequestOutput,
-                      guard: AbortGuard) -> AsyncIterator[str]:
-    """SSE events of one request; aborts it in the engine unless it finished normally."""
-    rid, fmt = p.gen_req.request_id, p.fmt
+async def _sse_stream(p: Prepared, streams: ChoiceStreams, first: RequestOutput
+                      ) -> AsyncIterator[str]:
+    """SSE events of one request's choices; aborts those that did not finish normally."""
+    rid, fmt, usages = p.gen_req.request_id, p.fmt, {}
     try:
         for chunk in fmt.start_chunks():
             yield _sse(chunk)
-        out = first
-        while True:
+        if p.echo:
+            for i in range(p.n):
+                for chunk in fmt.text_chunks(i, p.echo):
+                    yield _sse(chunk)
+
+        async def outputs():
+            yield 0, first
+            async for pair in streams.rest(first):
+                yield pair
+        async for i, out in outputs():
             if out.error:
                 if out.finished:
-                    guard.finish()
+                    streams.finish(i)
                 raise EngineOutputError(out.error)
             if out.text_delta or out.logprobs:
-                yield _sse(fmt.text_chunk(out.text_delta, out.logprobs))
+                for chunk in fmt.text_chunks(i, out.text_delta, out.logprobs):
+                    yield _sse(chunk)
             if out.finished:
-                break
-            out = await gen.__anext__()
-        guard.finish()
-        yield _sse(fmt.finish_chunk(out.finish_reason))
+                streams.finish(i)
+                usages[i] = out.usage
+                for chunk in fmt.finish_chunks(i, out.finish_reason):
+                    yield _sse(chunk)
         if fmt.include_usage:
-            yield _sse(fmt.usage_chunk(out.usage))
+            yield _sse(fmt.usage_chunk(total_usage([usages[i] for i in sorted(usages)])))
         yield "data: [DONE]\n\n"
     except Exception as exc:   # headers are out: report in-band, as OpenAI does
         if not isinstance(exc, NibbleError):
@@ -139,39 +150,34 @@ async def _sse_stream(p: Prepared, gen: AsyncIterator[RequestOutput], first: Req
                               type(exc).__name__))
         yield "data: [DONE]\n\n"
     finally:
-        await guard()
-        await gen.aclose()
-
-
-Track = Callable[[AsyncIterator[RequestOutput]], AsyncIterator[RequestOutput]]
+        await streams.close()
 
 
 async def respond(engine: EngineClient, request: Request, p: Prepared, track: Track | None = None
                   ) -> Response:
-    """Run a prepared request; stream it as SSE or return one JSON body.
+    """Run a prepared request (its ``n`` choices); stream it as SSE or return one JSON body.
 
     ``track`` wraps the engine's output stream (metrics, in-flight set: tracking.py)."""
-    rid = p.gen_req.request_id
-    guard = AbortGuard(engine, rid)
-    gen = engine.generate(p.gen_req)
-    if track is not None:
-        gen = track(gen)
+    streams = ChoiceStreams(engine, choice_requests(p.gen_req, p.n), track)
     try:
         if p.stream:
-            first = await race_disconnect(request, _first_output(gen))
+            first = await race_disconnect(request, streams.first())
         else:
-            text, last, lps = await race_disconnect(request, _collect(gen))
-    except (ClientDisconnected, asyncio.CancelledError, EngineOutputError):
-        await guard()
+            lasts = await race_disconnect(request, _collect(streams))
+    except BaseException:      # client gone, cancelled, engine error: free the choices
+        await streams.close()
         raise
     if p.stream:
         if first.error and first.finished:   # failed before any output: a proper status
-            await gen.aclose()
+            streams.finish(0)
+            await streams.close()
             raise EngineOutputError(first.error)
         return ClosingStreamingResponse(
-            _sse_stream(p, gen, first, guard), guard, media_type="text/event-stream",
+            _sse_stream(p, streams, first), streams.close, media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    if last.error:
-        raise EngineOutputError(last.error)
-    return JSONResponse(p.fmt.full(text, last.finish_reason, last.usage, lps))
-
+    await streams.close()
+    for out in lasts:
+        if out.error:
+            raise EngineOutputError(out.error)
+    choices = [Choice(p.echo + o.text_delta, o.finish_reason, o.logprobs or []) for o in lasts]
+    return JSONResponse(p.fmt.full(choices, total_usage([o.usage for o in lasts])))

@@ -66,14 +66,17 @@ class ChatTemplate:
                                           code="chat_template_error") from e
         return self._compiled
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render ``messages`` (OpenAI-style dicts) to the prompt string."""
+    def render(self, messages: list[dict], add_generation_prompt: bool = True,
+               tools: list[dict] | None = None) -> str:
+        """Render ``messages`` (OpenAI-style dicts) to the prompt string; ``tools`` (function
+        tools as transformers passes them) only reach templates that ask for them."""
         template = self._template()
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             raise InvalidRequestError("messages must be a list of objects", param="messages")
         try:
+            extra = {} if tools is None else {"tools": tools}
             return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                   **self._special)
+                                   **extra, **self._special)
         except _RENDER_ERRORS as e:
             raise InvalidRequestError(f"chat template error: {e}", param="messages",
                                       code="chat_template_error") from e

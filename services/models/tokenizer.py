@@ -76,9 +76,11 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Prompt text for chat ``messages``; raises ``InvalidRequestError`` on template faults."""
-        return self.chat_template.render(messages, add_generation_prompt)
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        """Prompt text for chat ``messages`` (and ``tools``, for templates that render them);
+        raises ``InvalidRequestError`` on template faults."""
+        return self.chat_template.render(messages, add_generation_prompt, tools)
 
     # ------------------------------------------------------------ builders
 

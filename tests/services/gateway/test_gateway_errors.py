@@ -8,6 +8,7 @@ from nibble.services.errors import (EngineDeadError, InvalidRequestError, OutOfP
                                     QueueFullError)
 
 USER = [{"role": "user", "content": "hi"}]
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 
 
 def assert_error(r, status: int, err_type: str, param=..., code=...) -> dict:
@@ -64,8 +65,9 @@ def test_prompt_leaving_no_room_without_max_tokens(client):
     ("/v1/completions", {"prompt": "a", "stream": {"x": 1}}, "stream"),
     ("/v1/completions", {"prompt": "a", "stream_options": {"include_usage": "maybe"}},
      "stream_options.include_usage"),
-    ("/v1/completions", {"prompt": "a", "n": 2}, "n"),
-    ("/v1/completions", {"prompt": "a", "echo": True}, "echo"),
+    ("/v1/completions", {"prompt": "a", "n": 17}, "n"),
+    ("/v1/completions", {"prompt": "a", "echo": True, "logprobs": 1}, "echo"),
+    ("/v1/completions", {"prompt": "a", "tools": [{"type": "function"}]}, "tools"),
     ("/v1/completions", {"prompt": "a", "logprobs": 6}, "logprobs"),
     ("/v1/completions", {"prompt": "a", "logit_bias": {"x": 1.0}}, "logit_bias.x"),
     ("/v1/completions", {"prompt": "a", "logit_bias": {"5": 101.0}}, "logit_bias"),
@@ -88,11 +90,17 @@ def test_prompt_leaving_no_room_without_max_tokens(client):
         {"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages[0].content"),
     ("/v1/chat/completions", {"messages": USER, "max_completion_tokens": 0},
      "max_completion_tokens"),
-    ("/v1/chat/completions", {"messages": USER, "n": 3}, "n"),
+    ("/v1/chat/completions", {"messages": USER, "n": 0}, "n"),
     ("/v1/chat/completions", {"messages": USER, "logprobs": True, "top_logprobs": 21},
      "top_logprobs"),
     ("/v1/chat/completions", {"messages": USER, "tools": [{"type": "function", "function": {
-        "name": "f", "parameters": {}}}]}, "tools"),
+        "name": "bad name", "parameters": {}}}]}, "tools[0].function.name"),
+    ("/v1/chat/completions", {"messages": USER, "tools": [TOOL, TOOL]}, "tools"),
+    ("/v1/chat/completions", {"messages": USER, "tools": [TOOL], "tool_choice": {
+        "type": "function", "function": {"name": "other"}}}, "tool_choice"),
+    ("/v1/chat/completions", {"messages": [{"role": "assistant", "tool_calls": [{
+        "id": "c1", "type": "function", "function": {"name": "f", "arguments": "[1]"}}]}]},
+     "messages[0].tool_calls[0].function.arguments"),
     ("/v1/chat/completions", {"messages": USER, "tool_choice": "required"}, "tool_choice"),
     ("/v1/chat/completions", {"messages": USER, "response_format": {"type": "json_object"}},
      "response_format"),
