@@ -17,12 +17,13 @@ from .aio import AsyncClient
 from .errors import (AlreadyExists, Cancelled, DeadlineExceeded, FailedPrecondition, Internal,
                      InvalidArgument, NibbleClientError, NotFound, PermissionDenied,
                      ResourceExhausted, Unauthenticated, Unavailable)
-from .results import GenerateResult, ServerInfo, StreamChunk, Usage
+from .results import (Choice, GenerateResult, ServerInfo, StreamChunk, TokenLogprob, ToolCall,
+                      TopLogprob, Usage)
 from .sync import Client
 
 __all__ = [
     "DEFAULT_TARGET", "AsyncClient", "Client", "RetryPolicy", "GenerateResult", "ServerInfo",
-    "StreamChunk", "Usage", "NibbleClientError", "InvalidArgument", "NotFound",
+    "StreamChunk", "Usage", "Choice", "TokenLogprob", "TopLogprob", "ToolCall", "NibbleClientError", "InvalidArgument", "NotFound",
     "AlreadyExists", "Unauthenticated", "PermissionDenied", "ResourceExhausted",
     "FailedPrecondition", "Unavailable", "DeadlineExceeded", "Cancelled", "Internal",
 ]

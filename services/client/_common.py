@@ -1,10 +1,9 @@
-"""What Client and AsyncClient share: request building, results, retries, channels."""
+"""What Client and AsyncClient share: results, retries, channels (requests: request.py)."""
 
 from __future__ import annotations
 
 import random
 import time
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -12,11 +11,13 @@ import grpc
 from nibble.proto.nibble.v1 import nibble_pb2 as pb
 
 from .errors import NibbleClientError
-from .results import GenerateResult, StreamChunk, Usage
+from .request import build_request  # noqa: F401  (re-exported for the clients)
+from .results import (Choice, GenerateResult, StreamChunk, TokenLogprob, ToolCall, TopLogprob,
+                      Usage)
 
 DEFAULT_TARGET = "127.0.0.1:30001"
 FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
-                  pb.FINISH_REASON_ABORT: "abort"}
+                  pb.FINISH_REASON_ABORT: "abort", pb.FINISH_REASON_TOOL_CALLS: "tool_calls"}
 
 
 @dataclass(frozen=True)
@@ -69,64 +70,59 @@ def retry_delay(policy: RetryPolicy, err: grpc.RpcError, attempt: int,
     return delay
 
 
-def build_request(prompt: str | Sequence[int] | None, messages: Sequence[Mapping[str, str]] | None,
-                  *, max_tokens: int | None = None, temperature: float | None = None,
-                  top_p: float | None = None, top_k: int | None = None, seed: int | None = None,
-                  stop: str | Sequence[str] | None = None,
-                  stop_token_ids: Sequence[int] | None = None, ignore_eos: bool = False,
-                  cache_salt: str | None = None, model: str | None = None,
-                  request_id: str | None = None) -> pb.GenerateRequest:
-    """A GenerateRequest from ``prompt`` (text or token ids) or chat ``messages``
-    (``[{"role": ..., "content": ...}]``); unset parameters take the server's defaults."""
-    if (prompt is None) == (messages is None):
-        raise ValueError("pass exactly one of prompt (text or token ids) or messages")
-    optional = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p,
-                "top_k": top_k, "seed": seed}
-    sampling = pb.SamplingParams(**{k: v for k, v in optional.items() if v is not None},
-                                 stop=[stop] if isinstance(stop, str) else list(stop or ()),
-                                 stop_token_ids=list(stop_token_ids or ()),
-                                 ignore_eos=ignore_eos)
-    req = pb.GenerateRequest(request_id=request_id or "", model=model or "", sampling=sampling)
-    if cache_salt is not None:
-        req.cache_salt = cache_salt
-    if messages is not None:
-        req.chat.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"])
-                                 for m in messages)
-    elif isinstance(prompt, str):
-        req.text = prompt
-    else:
-        req.token_ids.ids.extend(prompt)
-    return req
+def _logprobs(msg: pb.GenerateResponse) -> tuple[TokenLogprob, ...]:
+    return tuple(TokenLogprob(lp.token_id, lp.token, lp.logprob,
+                              tuple(TopLogprob(t.token_id, t.token, t.logprob) for t in lp.top))
+                 for lp in msg.logprobs)
 
 
 def chunk_of(msg: pb.GenerateResponse) -> StreamChunk:
     u = msg.usage
     usage = Usage(u.prompt_tokens, u.completion_tokens, u.cached_tokens,
                   dict(u.cached_tokens_by_tier))
+    calls = tuple(ToolCall(c.id, c.name, c.arguments) for c in msg.tool_calls)
     return StreamChunk(msg.request_id, tuple(msg.token_ids), msg.text, msg.finished,
-                       FINISH_REASONS.get(msg.finish_reason), usage)
+                       FINISH_REASONS.get(msg.finish_reason), usage, msg.index,
+                       _logprobs(msg), calls, msg.content if msg.HasField("content") else None)
 
 
 class Collector:
-    """Folds a stream's chunks into one GenerateResult."""
+    """Folds a stream's chunks (of every choice) into one GenerateResult."""
 
     def __init__(self) -> None:
-        self.texts: list[str] = []
-        self.ids: list[int] = []
-        self.last: StreamChunk | None = None
+        self.texts: dict[int, list[str]] = {}
+        self.ids: dict[int, list[int]] = {}
+        self.lps: dict[int, list[TokenLogprob]] = {}
+        self.last: dict[int, StreamChunk] = {}
 
     def add(self, chunk: StreamChunk) -> None:
-        self.texts.append(chunk.text)
-        self.ids.extend(chunk.token_ids)
-        self.last = chunk
+        i = chunk.index
+        self.texts.setdefault(i, []).append(chunk.text)
+        self.ids.setdefault(i, []).extend(chunk.token_ids)
+        self.lps.setdefault(i, []).extend(chunk.logprobs)
+        self.last[i] = chunk
 
     def result(self) -> GenerateResult:
-        last = self.last
-        if last is None or not last.finished:
+        if not self.last or not all(c.finished for c in self.last.values()):
             raise NibbleClientError("the stream ended without its final message",
                                     code=grpc.StatusCode.INTERNAL)
-        return GenerateResult(last.request_id, "".join(self.texts), tuple(self.ids),
-                              last.finish_reason or "stop", last.usage)
+        choices = tuple(Choice(i, "".join(self.texts[i]), tuple(self.ids[i]),
+                               self.last[i].finish_reason or "stop", tuple(self.lps[i]),
+                               self.last[i].tool_calls,
+                               self.last[i].content if self.last[i].tool_calls
+                               else "".join(self.texts[i]))
+                        for i in sorted(self.last))
+        usages = [c.usage for c in self.last.values()]
+        tiers: dict[str, int] = {}
+        for u in usages:
+            for k, v in u.cached_tokens_by_tier.items():
+                tiers[k] = tiers.get(k, 0) + v
+        usage = Usage(usages[0].prompt_tokens, sum(u.completion_tokens for u in usages),
+                      sum(u.cached_tokens for u in usages), tiers)
+        first = choices[0]
+        return GenerateResult(self.last[first.index].request_id, first.text, first.token_ids,
+                              first.finish_reason, usage, first.logprobs, first.tool_calls,
+                              first.content, choices)
 
 
 def credentials(secure: bool, root_certificates: bytes | None, private_key: bytes | None,

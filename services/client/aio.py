@@ -79,7 +79,7 @@ class AsyncClient:
             await asyncio.sleep(delay)
 
     async def stream(self, prompt: str | Sequence[int] | None = None, *,
-                     messages: Sequence[Mapping[str, str]] | None = None,
+                     messages: Sequence[Mapping[str, Any]] | None = None,
                      timeout: float | None = _UNSET, **params: Any
                      ) -> AsyncIterator[StreamChunk]:
         """As ``Client.stream``; closing the iterator (``aclose``, leaving an ``async for``
@@ -106,7 +106,7 @@ class AsyncClient:
             await asyncio.sleep(delay)
 
     async def generate(self, prompt: str | Sequence[int] | None = None, *,
-                       messages: Sequence[Mapping[str, str]] | None = None,
+                       messages: Sequence[Mapping[str, Any]] | None = None,
                        timeout: float | None = _UNSET, **params: Any) -> GenerateResult:
         collector = Collector()
         async for chunk in self.stream(prompt, messages=messages, timeout=timeout, **params):

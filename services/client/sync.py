@@ -70,11 +70,14 @@ class Client:
             time.sleep(delay)
 
     def stream(self, prompt: str | Sequence[int] | None = None, *,
-               messages: Sequence[Mapping[str, str]] | None = None,
+               messages: Sequence[Mapping[str, Any]] | None = None,
                timeout: float | None = _UNSET, **params: Any) -> Iterator[StreamChunk]:
         """Yield the request's updates as they come. ``prompt`` is text or token ids, or pass
-        chat ``messages``; ``params``: max_tokens, temperature, top_p, top_k, seed, stop,
-        stop_token_ids, ignore_eos, cache_salt, model, request_id. Closing the iterator
+        chat ``messages``; ``params``: those of ``build_request`` (request.py): sampling
+        (max_tokens, temperature, top_p, top_k, seed, penalties, min_p, min_tokens,
+        logit_bias, stop, stop_token_ids, ignore_eos), tools, tool_choice,
+        parallel_tool_calls, response_format, regex, ebnf, logprobs, n, echo, cache_salt,
+        model, request_id. Closing the iterator
         early cancels the call, which aborts the request on the server."""
         request = build_request(prompt, messages, **params)
         deadline, attempt = self._deadline(timeout), 0
@@ -97,7 +100,7 @@ class Client:
             time.sleep(delay)
 
     def generate(self, prompt: str | Sequence[int] | None = None, *,
-                 messages: Sequence[Mapping[str, str]] | None = None,
+                 messages: Sequence[Mapping[str, Any]] | None = None,
                  timeout: float | None = _UNSET, **params: Any) -> GenerateResult:
         """Run one request to its end (same arguments as ``stream``)."""
         collector = Collector()

@@ -186,7 +186,8 @@ class Orchestrator:
             finally:
                 beat.cancel()
             stream = self._iter(d.decode.options(num_returns="streaming").remote(
-                req, grant["ticket"], res["first_token"], res["checksum"], res["checksum_tag"]))
+                req, grant["ticket"], res["first_token"], res["checksum"], res["checksum_tag"],
+                res.get("first_logprob")))
             first = await asyncio.wait_for(stream.__anext__(), t.remaining() + 5)
         except WORKER_ERRORS as e:
             t.advance(TransferState.FAILED, f"{type(e).__name__}: {e}")

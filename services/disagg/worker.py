@@ -32,7 +32,7 @@ from ..credentials import load_kv_secret
 from ..engine.async_engine import AsyncEngine
 from ..engine.builder import build_parts
 from ..engine.kv_connector import KVConnector
-from ..engine.types import GenerateRequest, RequestOutput
+from ..engine.types import GenerateRequest, RequestOutput, TokenLogprob
 from ..errors import ConfigError
 from .transfer_state import TransferError
 
@@ -189,7 +189,7 @@ class EngineWorker:
         return await self.engine.call(self.connector.cancel, request_id)
 
     async def decode(self, req: GenerateRequest, ticket: TransferTicket, first_token: int,
-                     checksum: str, tag: bytes):
+                     checksum: str, tag: bytes, first_logprob: TokenLogprob | None = None):
         """Verify the pages the prefill worker wrote, then stream the rest of the request.
 
         The transport already refused writes without a ticket this worker issued;
@@ -207,7 +207,7 @@ class EngineWorker:
             raise
         self._tickets.pop(req.request_id, None)          # complete: nothing left to revoke
         self.transport.consume(ticket.ticket_id, ticket.nbytes)
-        async for out in self.engine.generate_prefilled(req, first_token):
+        async for out in self.engine.generate_prefilled(req, first_token, first_logprob):
             yield out
 
     async def generate(self, req: GenerateRequest):
@@ -240,6 +240,7 @@ class EngineWorker:
             checksum = await asyncio.to_thread(page_set_checksum, self.pool.pages, src)
             await self._send(peer_endpoint, ticket, src, checksum)
             return {"first_token": first.new_token_ids[0], "checksum": checksum,
+                    "first_logprob": (first.logprobs or [None])[0],
                     "checksum_tag": checksum_tag(self.transfer_key, ticket, checksum),
                     "nbytes": len(src) * self.pool.layout.page_nbytes, "pages": len(src)}
         finally:

@@ -27,7 +27,7 @@ from .builder import EngineParts, build_parts
 from .client import EngineStats
 from .engine import EngineCore
 from .faults import describe, is_device_fault
-from .types import FinishReason, GenerateRequest, RequestOutput, Usage
+from .types import FinishReason, GenerateRequest, RequestOutput, TokenLogprob, Usage
 
 log = logging.getLogger(__name__)
 
@@ -69,10 +69,12 @@ class AsyncEngine:
         async for out in self._stream(req.request_id, ("add", req)):
             yield out
 
-    async def generate_prefilled(self, req: GenerateRequest, first_token: int
+    async def generate_prefilled(self, req: GenerateRequest, first_token: int,
+                                 first_logprob: TokenLogprob | None = None
                                  ) -> AsyncIterator[RequestOutput]:
         """Continue a request whose prompt pages a prefill worker wrote into our reservation."""
-        async for out in self._stream(req.request_id, ("install", (req, first_token))):
+        action = ("install", (req, first_token, first_logprob))
+        async for out in self._stream(req.request_id, action):
             yield out
 
     async def _stream(self, request_id: str, action: tuple) -> AsyncIterator[RequestOutput]:
@@ -182,9 +184,9 @@ class AsyncEngine:
                 self._deliver(RequestOutput(payload.request_id, [], "", True, FinishReason.ABORT,
                                             self._zero_usage(payload), error=str(e)))
         elif kind == "install":
-            req, first = payload
+            req, first, logprob = payload
             try:
-                self._deliver(self.core.add_prefilled(req, first))
+                self._deliver(self.core.add_prefilled(req, first, logprob))
             except NibbleError as e:
                 self._deliver(RequestOutput(req.request_id, [], "", True, FinishReason.ABORT,
                                             self._zero_usage(req), error=str(e)))

@@ -147,9 +147,11 @@ class EngineCore:
         self.connector = self.scheduler.connector = connector
         connector.bind(self.scheduler, self.validate)
 
-    def add_prefilled(self, req: GenerateRequest, first_token: int) -> RequestOutput:
-        """Run ``req`` from its first sampled token on the pages a prefill worker wrote into
-        the connector's reservation. InvalidRequestError when there is none (expired)."""
+    def add_prefilled(self, req: GenerateRequest, first_token: int,
+                      first_logprob: TokenLogprob | None = None) -> RequestOutput:
+        """Run ``req`` from its first sampled token (and its logprob, when the request asked
+        for them) on the pages a prefill worker wrote into the connector's reservation.
+        InvalidRequestError when there is none (expired)."""
         if req.request_id in self._seqs:
             raise InvalidRequestError(f"duplicate request id {req.request_id}")
         seq = self.register(req, queue=False)
@@ -159,7 +161,10 @@ class EngineCore:
             self._seqs.pop(req.request_id, None)
             self._streams.pop(req.request_id, None)
             raise
-        return self._on_token(seq, first_token)
+        out = self._on_token(seq, first_token)
+        if first_logprob is not None and out.new_token_ids:
+            out.logprobs = [first_logprob]
+        return out
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or (

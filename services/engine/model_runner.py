@@ -121,6 +121,18 @@ class ModelRunner:
         tokens = sample(masked, [s.sampling for s in picked], gens).masked_fill(bad, -1)
         return tokens, logprobs_of(clean, picked, tokens)
 
+    def _new_matcher(self, s: ScheduledSeq):
+        """A matcher for ``s``'s grammar. A disaggregated decode worker meets the request at
+        its second token: the first, sampled (under the grammar) by the prefill worker, is
+        this step's input and is accepted first."""
+        matcher = self.grammar.matcher(s.sampling.grammar)
+        if s.num_output == 1 and not matcher.accept(s.token_ids[-1]):
+            raise GrammarError(f"{s.request_id}: the grammar refuses the first token")
+        if s.num_output > 1:
+            raise GrammarError(f"{s.request_id}: a grammar cannot start after "
+                               f"{s.num_output} tokens")
+        return matcher
+
     def _grammar_mask(self, picked: list[ScheduledSeq], logits: torch.Tensor) -> torch.Tensor:
         """``logits`` with each grammar row's disallowed tokens at -inf (a copy; the
         logprobs are reported from the unmasked logits, as OpenAI does)."""
@@ -134,6 +146,6 @@ class ModelRunner:
             s = picked[i]
             matcher = self._matchers.get(s.request_id)
             if matcher is None:
-                matcher = self._matchers[s.request_id] = self.grammar.matcher(s.sampling.grammar)
+                matcher = self._matchers[s.request_id] = self._new_matcher(s)
             matcher.fill_mask(mask, i)
         return self.grammar.apply(logits.clone(), mask)

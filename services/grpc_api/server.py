@@ -72,7 +72,8 @@ class GrpcServer:
         self.drain = drain if drain is not None else Drain(inflight)
         self._own_preparer = preparer is None
         self.servicer = NibbleServicer(engine, self.auth, metrics or Metrics(None), inflight,
-                                       self.drain, preparer or Preparer())
+                                       self.drain, preparer or Preparer(),
+                                       cfg.tool_call_parser)
         self.health = health_aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
         self._watcher: asyncio.Task | None = None

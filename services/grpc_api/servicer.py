@@ -19,6 +19,7 @@ While the server drains (frontend/drain.py), ``Generate`` answers UNAVAILABLE.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -30,13 +31,14 @@ from nibble.proto.nibble.v1 import nibble_pb2 as pb
 from nibble.proto.nibble.v1 import nibble_pb2_grpc as pb_grpc
 
 from ..engine.client import EngineClient
-from ..engine.types import GenerateRequest
 from ..errors import InvalidRequestError, ServerDrainingError
 from ..frontend.auth import cache_namespace, redact_keys
 from ..frontend.drain import REFUSED_MESSAGE, Drain
 from ..frontend.errors import EngineOutputError
 from ..frontend.preparer import Preparer
-from ..frontend.tracking import AbortGuard, InFlight, tracked
+from ..frontend.choices import ChoiceStreams, choice_requests
+from ..frontend.prepare import Prepared
+from ..frontend.tracking import InFlight, tracked
 from ..metrics import Metrics
 from .auth import GrpcAuth
 from .convert import prepare, response
@@ -47,8 +49,9 @@ log = logging.getLogger(__name__)
 
 class NibbleServicer(pb_grpc.NibbleServicer):
     def __init__(self, engine: EngineClient, auth: GrpcAuth, metrics: Metrics, inflight: InFlight,
-                 drain: Drain, preparer: Preparer):
+                 drain: Drain, preparer: Preparer, tool_parser: str = "auto"):
         self.engine, self.auth, self.metrics, self.inflight = engine, auth, metrics, inflight
+        self.tool_parser = tool_parser                        # --tool-call-parser
         self.drain = drain
         self.preparer = preparer                              # tokenizes off the event loop
         self.owned: dict[tuple[str | None, str], str] = {}   # (tenant, caller's id) -> engine id
@@ -60,9 +63,10 @@ class NibbleServicer(pb_grpc.NibbleServicer):
         if self.drain.draining:
             await abort_with(context, ServerDrainingError(REFUSED_MESSAGE))
         try:
-            gen_req = (await self.preparer.run(prepare, self.engine, request)).gen_req
+            p = await self.preparer.run(prepare, self.engine, request, self.tool_parser)
         except Exception as exc:  # noqa: BLE001 - INVALID_ARGUMENT, NOT_FOUND or INTERNAL
             await abort_with(context, exc)
+        gen_req = p.gen_req
         gen_req.cache_salt = cache_namespace(caller.tenant, gen_req.cache_salt)
         name = request.request_id or gen_req.request_id
         key = (caller.tenant, name)
@@ -71,34 +75,47 @@ class NibbleServicer(pb_grpc.NibbleServicer):
                                 f"a request named '{name}' is already in flight")
         self.owned[key] = gen_req.request_id
         try:
-            async for msg in self._stream(gen_req, name, caller.tenant, context):
+            async for msg in self._stream(p, name, caller.tenant, context):
                 yield msg
         finally:
             self.owned.pop(key, None)
 
-    async def _stream(self, gen_req: GenerateRequest, name: str, tenant: str | None,
+    async def _stream(self, p: Prepared, name: str, tenant: str | None,
                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
-        rid = gen_req.request_id
-        guard = AbortGuard(self.engine, rid)
-        gen = tracked(self.engine.generate(gen_req), rid, self.metrics.start_request(),
-                      self.inflight, tenant)
+        """The choices' updates as messages; a choice's last one carries its tool calls."""
+        rid = p.gen_req.request_id
+        track = functools.partial(tracked, request_id=rid, timer=self.metrics.start_request(),
+                                  inflight=self.inflight, owner=tenant)
+        streams = ChoiceStreams(self.engine, choice_requests(p.gen_req, p.n), track)
+        tools = getattr(p.fmt, "tools", None)
+        texts = [[] for _ in range(p.n)]
         failure: Exception | None = None
         try:
-            async for out in gen:
+            first = await streams.first()
+
+            async def outputs():
+                yield 0, first
+                async for pair in streams.rest(first):
+                    yield pair
+            async for i, out in outputs():
                 if out.error:
                     if out.finished:
-                        guard.finish()
+                        streams.finish(i)
                     raise EngineOutputError(out.error)
+                text = None
+                if p.echo and not texts[i]:
+                    text = p.echo + out.text_delta
+                texts[i].append(text if text is not None else out.text_delta)
+                parsed = None
                 if out.finished:
-                    guard.finish()
-                yield response(out, name)
-                if out.finished:
-                    break
+                    streams.finish(i)
+                    if tools is not None:
+                        parsed = tools.parse("".join(texts[i]))
+                yield response(out, name, i, p.fmt.token_text, parsed, text)
         except Exception as exc:  # noqa: BLE001 - becomes the call's status below
             failure = exc
         finally:
-            await guard()        # cancelled, deadline passed or failed: free the engine's pages
-            await gen.aclose()
+            await streams.close()   # cancelled, deadline passed or failed: free the pages
         if failure is not None:
             await abort_with(context, failure, closing=self.closing)
 

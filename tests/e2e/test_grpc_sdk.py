@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import time
 import uuid
 
@@ -139,6 +140,41 @@ def test_server_info(client):
     assert "kv_pool" in info.details
 
 
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+           "required": ["city"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]
+
+
+def check_agent_fields(c: Client) -> None:
+    """Tools (a forced call), n, logprobs and a JSON schema through the SDK."""
+    ask = [{"role": "user", "content": "Weather in Paris?"}]
+    r = c.generate(messages=ask, tools=TOOLS, tool_choice={
+        "type": "function", "function": {"name": "get_weather"}}, max_tokens=40, temperature=0)
+    assert r.finish_reason == "tool_calls" and len(r.tool_calls) == 1, r.text
+    call = r.tool_calls[0]
+    assert call.name == "get_weather" and call.id.startswith("call_")
+    assert set(call.parsed_arguments()) == {"city"}
+    history = [*ask, {"role": "assistant", "tool_calls": [
+        {"id": call.id, "function": {"name": call.name, "arguments": call.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+    final = c.generate(messages=history, tools=TOOLS, tool_choice="none", max_tokens=8)
+    assert final.tool_calls == () and final.content == final.text
+    r = c.generate(prompt="The sea is", n=3, max_tokens=4, temperature=1.0, seed=1,
+                   logprobs=2)
+    assert [ch.index for ch in r.choices] == [0, 1, 2]
+    assert r.usage.completion_tokens == sum(len(ch.token_ids) for ch in r.choices)
+    for ch in r.choices:
+        assert len(ch.logprobs) == len(ch.token_ids)
+        assert all(len(lp.top) == 2 and lp.logprob <= 0 for lp in ch.logprobs)
+    r = c.generate(messages=ask, max_tokens=40, temperature=0, response_format={
+        "type": "json_schema", "json_schema": {"schema": WEATHER, "strict": True}})
+    assert set(json.loads(r.text)) == {"city"}
+
+
+def test_agent_fields(client):
+    check_agent_fields(client)
+
+
 def test_shutdown_with_an_open_stream_exits_cleanly(served, client):
     srv = served[0]
     stream = client.stream(messages=CAPITAL, max_tokens=3000, ignore_eos=True,
@@ -167,5 +203,6 @@ def test_disaggregated_sdk_smoke(tmp_path):
             with pytest.raises(InvalidArgument):
                 c.generate(messages=CAPITAL, top_p=0.0)
             assert c.server_info().details.get("disaggregated") is True
+            check_agent_fields(c)
     finally:
         assert srv.stop() == 0, srv.log_tail()

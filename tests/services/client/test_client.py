@@ -9,7 +9,7 @@ import time
 import grpc
 import pytest
 
-from nibble.client import (AsyncClient, Client, GenerateResult, InvalidArgument,
+from nibble.client import (AsyncClient, Choice, Client, GenerateResult, InvalidArgument,
                            NibbleClientError, NotFound, PermissionDenied, ResourceExhausted,
                            RetryPolicy, StreamChunk, Unauthenticated, Unavailable, Usage)
 from nibble.client._common import build_request
@@ -24,7 +24,8 @@ def test_generate_returns_a_typed_result(stub_server):
     with Client(target, api_key="sk-1", retry=FAST) as c:
         r = c.generate(messages=[{"role": "user", "content": "hi"}], max_tokens=2,
                        temperature=0, stop="\n", cache_salt="s", request_id="mine")
-    assert r == GenerateResult("r", "ab", (1, 2), "length", Usage(3, 2, 1, {"l1": 1}))
+    assert r == GenerateResult("r", "ab", (1, 2), "length", Usage(3, 2, 1, {"l1": 1}),
+                               content="ab", choices=(Choice(0, "ab", (1, 2), "length", content="ab"),))
     assert r.usage.total_tokens == 5
     req = servicer.requests[0]
     assert req.chat.messages[0].content == "hi" and req.request_id == "mine"
