@@ -134,6 +134,8 @@ class EngineCore:
     def register(self, req: GenerateRequest, queue: bool = True) -> Sequence:
         """Create the request's sequence and text state, and queue it (``queue``)."""
         seq = Sequence(req, list(req.prompt_token_ids), len(req.prompt_token_ids))
+        if req.sampling.prompt_logprobs is not None:
+            seq.no_reuse = True            # every prompt token is computed, so it has a logprob
         self._seqs[req.request_id] = seq
         self._streams[req.request_id] = _Stream(
             IncrementalDetokenizer(self.tokenizer, list(req.prompt_token_ids)),
@@ -262,16 +264,28 @@ class EngineCore:
                 0, min(len(entry.token_ids), seq.num_prompt - seq.num_computed))
             seq.num_computed += len(entry.token_ids)
             if entry.sample:
-                if seq.num_output == 0:
+                prompt_done = seq.num_output == 0
+                if prompt_done:
                     # Prompt done: share its pages with requests that arrive meanwhile.
                     self.scheduler.cache_computed(seq)
-                outputs.append(self._emit_token(seq, sampled[entry.request_id],
-                                                logprobs.get(entry.request_id)))
+                out = self._emit_token(seq, sampled[entry.request_id],
+                                       logprobs.get(entry.request_id))
+                if prompt_done and seq.request.sampling.prompt_logprobs is not None:
+                    out.prompt_logprobs = self._prompt_logprobs(seq)
+                outputs.append(out)
         for rid, why in failed.items():
             out = self._on_fault(self._seqs[rid], why)
             if out is not None:
                 outputs.append(out)
         return outputs
+
+    @staticmethod
+    def _prompt_logprobs(seq: Sequence) -> list[TokenLogprob]:
+        """One per prompt token; the first (nothing before it) has logprob and top None."""
+        got = seq.prompt_lps or {}
+        ids = seq.token_ids[:seq.num_prompt]
+        return [TokenLogprob(ids[0], None, None)] + [
+            got.get(p, TokenLogprob(ids[p], None, None)) for p in range(1, seq.num_prompt)]
 
     def _execute(self, batch) -> tuple[dict[str, int], dict[str, str], dict]:
         """Run ``batch``: ``(request id -> token, request id -> why it failed, request id ->
@@ -297,6 +311,11 @@ class EngineCore:
         prefill = sum(len(e.token_ids) for e in batch.seqs if len(e.token_ids) > 1)
         self.kv.observe_prefill(prefill, time.perf_counter() - t0)
         self._count_faults(result.failed, len(result.failed) < len(batch.seqs))
+        for rid, (first_pos, lps) in result.prompt_logprobs.items():
+            if rid not in result.failed:
+                seq = self._seqs[rid]
+                seq.prompt_lps = {**(seq.prompt_lps or {}),
+                                  **{first_pos + j: lp for j, lp in enumerate(lps)}}
         return result.sampled, result.failed, result.logprobs
 
     def _count_faults(self, failed: dict[str, str], any_ok: bool) -> None:

@@ -109,3 +109,35 @@ def logprobs_of(processed: torch.Tensor, picked: list[ScheduledSeq],
     k = min(max(widths), lp.shape[1])
     top_lp, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
     return StepLogprobs(rows, chosen, top_ids, top_lp, widths)
+
+
+PROMPT_ROWS = 256      # prompt positions per LM-head block: bounds the [rows, vocab] logits
+
+
+def prompt_logprobs(compute_logits, seqs: list[ScheduledSeq], starts: list[int],
+                    hidden: torch.Tensor) -> dict[str, tuple[int, list[TokenLogprob]]]:
+    """Each prompt token's logprob for the chunks of ``seqs`` that ask for them:
+    ``request id -> (position of the first token scored, [TokenLogprob])``.
+
+    ``hidden`` ``[T, H]``: the step's last hidden states, ``starts[i]`` the first row of
+    ``seqs[i]``. Row ``j`` of a chunk scores the prompt token after it (the chunk's next
+    token, then ``next_token`` for the last row), from the model's raw logits
+    (``compute_logits``: ``[N, H] -> [N, V]`` float32), with the ``prompt_logprobs`` best
+    alternatives; the LM head runs ``PROMPT_ROWS`` rows at a time."""
+    out = {}
+    for s, start in zip(seqs, starts):
+        k = s.sampling.prompt_logprobs
+        if k is None:
+            continue
+        targets = list(s.token_ids[1:]) + ([s.next_token] if s.next_token is not None else [])
+        lps: list[TokenLogprob] = []
+        for b in range(0, len(targets), PROMPT_ROWS):
+            tgt = targets[b:b + PROMPT_ROWS]
+            logp = torch.log_softmax(compute_logits(hidden[start + b:start + b + len(tgt)]), -1)
+            idx = torch.tensor(tgt, device=logp.device).unsqueeze(1)
+            chosen = logp.gather(1, idx).squeeze(1).tolist()
+            top_v, top_i = (logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long()))
+            for t, c, vs, ids in zip(tgt, chosen, top_v.tolist(), top_i.tolist()):
+                lps.append(TokenLogprob(t, c, tuple(zip(ids, vs))))
+        out[s.request_id] = (s.start_pos + 1, lps)
+    return out

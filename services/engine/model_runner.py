@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ..attention import AttentionBackend, AttentionMetadata
 from .cuda_graph import DecodeGraphRunner
 from .grammar import GrammarBackend, GrammarError, Matcher
-from .logits_process import StepLogprobs, logprobs_of, process_logits
+from .logits_process import StepLogprobs, logprobs_of, process_logits, prompt_logprobs
 from .sampling import make_generator, sample
 from .step_inputs import kv_slots, padded_block_tables, positions_of
 from .types import ScheduledBatch, ScheduledSeq, WorkerOutput
@@ -34,6 +36,7 @@ class ModelRunner:
         self.eos_ids: frozenset[int] = frozenset()   # set by the engine (min_tokens masks them)
         self.grammar: GrammarBackend | None = None   # set by the builder (--grammar-backend)
         self._matchers: dict[str, Matcher] = {}
+        self._prompt_lps: dict = {}                 # this step's prompt logprobs (execute)
 
     def release(self, request_id: str) -> None:
         """Forget a finished request's RNG and grammar state."""
@@ -61,10 +64,14 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.applies(seqs):
             return self._sample(seqs, self.graphs.run(seqs, page_size))
         picked = [s for s in seqs if s.sample]
+        self._prompt_lps = {}
         if not picked:
             self._forward(seqs, page_size, rows=None)
-            return WorkerOutput({})
-        return self._sample(picked, self._forward(seqs, page_size, rows=True))
+            out = WorkerOutput({})
+        else:
+            out = self._sample(picked, self._forward(seqs, page_size, rows=True))
+        return dataclasses.replace(out, prompt_logprobs=self._prompt_lps) if self._prompt_lps \
+            else out
 
     def _forward(self, seqs: list[ScheduledSeq], page_size: int, rows: bool | None,
                  ids: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -79,6 +86,9 @@ class ModelRunner:
         meta = self._metadata(seqs, page_size, pos, token_rows)
         self.backend.plan(meta)
         hidden = self.model(ids, positions, self.backend.bind(meta))
+        if any(s.sampling.prompt_logprobs is not None for s in seqs):
+            self._prompt_lps = prompt_logprobs(self.model.compute_logits, seqs,
+                                               meta.seq_starts, hidden)
         if rows is None:
             return None
         last = [meta.seq_starts[i] + meta.new_lens[i] - 1 for i, s in enumerate(seqs) if s.sample]

@@ -172,8 +172,10 @@ class Scheduler:
         sample = start + n == len(seq.token_ids)
         history = tuple(seq.token_ids[:len(seq.token_ids) - seq.num_pending]) \
             if sample and sp.needs_history else None
+        nxt = seq.token_ids[start + n] \
+            if sp.prompt_logprobs is not None and start + n < seq.num_prompt else None
         return ScheduledSeq(seq.request_id, seq.token_ids[start:start + n], start, start,
-                            list(seq.pages), sample, sp, seq.num_output, history)
+                            list(seq.pages), sample, sp, seq.num_output, history, nxt)
 
     def schedule(self) -> ScheduledBatch:
         """Pick this step's work and reserve its pages (after applying finished tier work and

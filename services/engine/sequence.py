@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from nibble.tiering import PageId
 from nibble.tiering.kv_cache_manager import Handle
 
-from .types import FinishReason, GenerateRequest, Usage
+from .types import FinishReason, GenerateRequest, TokenLogprob, Usage
 
 
 class SeqStatus(enum.Enum):
@@ -45,6 +45,8 @@ class Sequence:
                                            # placeholders for tokens still on the device
     incarnation: int = 0                   # bumped when a fault rolls the sequence back or it
                                            # ends: an in-flight step's token for it is dropped
+    prompt_lps: dict[int, TokenLogprob] | None = None  # prompt_logprobs: position -> logprob
+                                           # (a recomputed chunk overwrites its positions)
 
     @property
     def request_id(self) -> str:

@@ -48,6 +48,8 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias added to its logit)
     logprobs: int | None = None            # None: off; N: the chosen token's logprob + top N
     grammar: GrammarSpec | None = None     # structured output: what the text must match
+    prompt_logprobs: int | None = None     # N: each prompt token's logprob (from the model's
+                                           # raw logits) + top N; computes the whole prompt
 
     @property
     def greedy(self) -> bool:
@@ -57,7 +59,7 @@ class SamplingParams:
     def overlappable(self) -> bool:
         """A step of this request may be launched before the previous one's token reaches
         the host (no penalties, min_tokens or grammar: those need the host's tokens)."""
-        return not self.needs_history and self.grammar is None
+        return not self.needs_history and self.grammar is None and self.prompt_logprobs is None
 
     @property
     def needs_history(self) -> bool:
@@ -92,9 +94,11 @@ class SamplingParams:
         if any(not -100.0 <= b <= 100.0 for _, b in self.logit_bias):
             raise InvalidRequestError("logit_bias values must be in [-100, 100]",
                                       param="logit_bias")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
-            raise InvalidRequestError(f"top logprobs must be in [0, {MAX_TOP_LOGPROBS}]",
-                                      param="top_logprobs")
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(self, name)
+            if n is not None and not 0 <= n <= MAX_TOP_LOGPROBS:
+                raise InvalidRequestError(f"top logprobs must be in [0, {MAX_TOP_LOGPROBS}]",
+                                          param="top_logprobs")
 
 
 class FinishReason(str, enum.Enum):
@@ -138,6 +142,9 @@ class RequestOutput:
                                            # e.g. RequestFaultError (this request alone) or
                                            # DeviceFaultError (the engine is dead)
     logprobs: list[TokenLogprob] | None = None   # one per new token, when asked for
+    prompt_logprobs: list[TokenLogprob] | None = None  # with the first token, when asked for:
+                                           # one per prompt token; the first has logprob
+                                           # and top None
 
 
 @dataclass(frozen=True)
@@ -153,6 +160,7 @@ class ScheduledSeq:
     sampling: SamplingParams               # how to pick that token
     num_output: int = 0                    # tokens the request has generated so far (min_tokens)
     history: tuple[int, ...] | None = None  # prompt + generated tokens, for penalties only
+    next_token: int | None = None          # prompt_logprobs: the prompt token after this chunk
 
 
 @dataclass(frozen=True)
@@ -174,3 +182,6 @@ class WorkerOutput:
     failed: dict[str, str] = field(default_factory=dict)  # request_id -> why its row was unusable
                                            # (non-finite logits); such a request has no token
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)  # rows that asked for them
+    prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)  # per request:
+                                           # the logprobs of the prompt tokens after each
+                                           # position of its chunk

@@ -11,6 +11,7 @@ API (which converts its messages to the same request models) both use them.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -213,9 +214,6 @@ def completion_prompt_ids(tokenizer: Any, prompt: str | list, context_length: in
 def prepare_completion(engine: EngineClient, body: CompletionRequest) -> Prepared:
     check_model(engine, body.model)
     _check_common(body)
-    if body.echo and body.logprobs is not None:
-        raise InvalidRequestError("echo with logprobs is not supported yet (the prompt's "
-                                  "logprobs); use echo or logprobs", param="echo")
     if body.best_of not in (None, 1):
         raise InvalidRequestError("best_of must be 1", param="best_of")
     if body.suffix:
@@ -225,6 +223,9 @@ def prepare_completion(engine: EngineClient, body: CompletionRequest) -> Prepare
                         CompletionFormatter, body.logprobs)
     if body.echo:
         p.echo = engine.tokenizer.decode(ids, skip_special_tokens=False)
+        if body.logprobs is not None:       # score the prompt too (it is computed in full)
+            sp = dataclasses.replace(p.gen_req.sampling, prompt_logprobs=body.logprobs)
+            p.gen_req = dataclasses.replace(p.gen_req, sampling=sp)
     return p
 
 

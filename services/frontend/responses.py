@@ -134,8 +134,9 @@ class CompletionFormatter(Formatter):
             offsets.append(self.offsets[index])
             self.offsets[index] += len(t)
         return {"tokens": tokens,
+                # the first echoed prompt token has nothing before it: null, as OpenAI's
                 "token_logprobs": [None if lp.logprob is None else _lp(lp.logprob) for lp in lps],
-                "top_logprobs": [None if lp.top is None else
+                "top_logprobs": [None if lp.logprob is None else
                                  {self.token_text(t): _lp(v) for t, v in lp.top} for lp in lps],
                 "text_offset": offsets}
 

@@ -72,7 +72,7 @@ async def _collect(streams: ChoiceStreams) -> list[RequestOutput]:
 
     def add(i: int, out: RequestOutput) -> None:
         parts[i].append(out.text_delta)
-        lps[i] += out.logprobs or []
+        lps[i] += (out.prompt_logprobs or []) + (out.logprobs or [])    # echo: prompt first
         last[i] = out
 
     add(0, first)
@@ -116,9 +116,9 @@ async def _sse_stream(p: Prepared, streams: ChoiceStreams, first: RequestOutput
     try:
         for chunk in fmt.start_chunks():
             yield _sse(chunk)
-        if p.echo:
+        if p.echo:       # the choices share the prompt and its logprobs (choice 0's)
             for i in range(p.n):
-                for chunk in fmt.text_chunks(i, p.echo):
+                for chunk in fmt.text_chunks(i, p.echo, first.prompt_logprobs):
                     yield _sse(chunk)
 
         async def outputs():

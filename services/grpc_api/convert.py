@@ -135,9 +135,11 @@ def _logprobs(lps: list[TokenLogprob] | None, text: Callable[[int], str] | None
               ) -> list[pb.TokenLogprob]:
     if not lps or text is None:
         return []
-    return [pb.TokenLogprob(token_id=lp.token_id, token=text(lp.token_id), logprob=lp.logprob,
+    # an echoed prompt's first token has no logprob: NaN (proto doubles cannot be null)
+    return [pb.TokenLogprob(token_id=lp.token_id, token=text(lp.token_id),
+                            logprob=float("nan") if lp.logprob is None else lp.logprob,
                             top=[pb.TopLogprob(token_id=t, token=text(t), logprob=v)
-                                 for t, v in lp.top]) for lp in lps]
+                                 for t, v in lp.top or ()]) for lp in lps]
 
 
 def response(out: RequestOutput, request_id: str, index: int = 0,
@@ -145,7 +147,8 @@ def response(out: RequestOutput, request_id: str, index: int = 0,
              text: str | None = None) -> pb.GenerateResponse:
     """One engine update of choice ``index`` as one streamed message (``request_id``: the
     caller's name for the request). ``parsed``: the tool calls of the choice's whole
-    output, on its last message; ``text`` replaces the update's text (echo)."""
+    output, on its last message; ``text`` replaces the update's text (echo: the prompt's
+    text, and its logprobs before the update's when the request asked for them)."""
     u = out.usage
     usage = pb.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
                      cached_tokens=u.cached_tokens, cached_tokens_by_tier=u.cached_by_tier or {})
@@ -154,7 +157,8 @@ def response(out: RequestOutput, request_id: str, index: int = 0,
         request_id=request_id, token_ids=out.new_token_ids,
         text=out.text_delta if text is None else text, finished=out.finished,
         finish_reason=reason, usage=usage, index=index,
-        logprobs=_logprobs(out.logprobs, token_text))
+        logprobs=_logprobs(((out.prompt_logprobs or []) if text is not None else [])
+                           + (out.logprobs or []), token_text))
     if parsed is not None and parsed.calls:
         msg.tool_calls.extend(pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments)
                               for c in parsed.calls)

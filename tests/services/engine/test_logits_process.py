@@ -133,3 +133,56 @@ def test_logprobs_of_launched_steps_equal_synchronous_ones(fp32_model):
     assert eng.overlap.launches > 0 and all(len(v) == 7 for v in got.values())
     assert {k: [(t, lp) for t, lp, _ in v] for k, v in got.items()} == \
         {k: [(t, lp) for t, lp, _ in v] for k, v in ref.items()}
+
+
+def _last_logits(fp32_model, prompt: list[int]) -> torch.Tensor:
+    """The logits a fresh engine samples the first token of ``prompt`` from."""
+    eng = make_engine(fp32_model, radix=False)
+    seen = []
+    orig = eng.runner._sample
+    eng.runner._sample = lambda picked, logits: (seen.append(logits.clone()), orig(picked, logits))[1]
+    run_all(eng, [GenerateRequest("r", prompt, SamplingParams(max_tokens=1, temperature=0.0))])
+    return seen[0][0]
+
+
+def _prompt_logprobs(eng, rid: str, prompt: list[int]):
+    sp = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=3, logprobs=1)
+    eng.add_request(GenerateRequest(rid, prompt, sp))
+    outs = []
+    while eng.has_unfinished():
+        outs += eng.step()
+    assert all(o.prompt_logprobs is None for o in outs[1:])
+    assert outs[0].usage.cached_tokens == 0       # a cached prompt is computed again, scored
+    plp = outs[0].prompt_logprobs
+    assert [lp.token_id for lp in plp] == prompt and plp[0].logprob is None
+    return plp
+
+
+def test_prompt_logprobs_score_every_prompt_token(fp32_model):
+    """echo with logprobs: each prompt token's logprob equals log_softmax of the logits a
+    request ending just before it samples from (fp32, CPU, within 1e-4)."""
+    prompt = PROMPT[:13]
+    eng = make_engine(fp32_model)
+    for rid in ("first", "again"):
+        plp = _prompt_logprobs(eng, rid, prompt)
+    for p in range(1, len(prompt)):
+        ref = torch.log_softmax(_last_logits(fp32_model, prompt[:p]).double(), -1)
+        assert abs(plp[p].logprob - float(ref[prompt[p]])) < 1e-4, p
+        assert len(plp[p].top) == 3
+        assert all(abs(v - float(ref[t])) < 1e-4 for t, v in plp[p].top)
+
+
+@pytest.mark.parametrize("kv", ["bf16", "nvfp4"])
+def test_prompt_logprobs_across_prefill_chunks(fp32_model, kv):
+    """Chunks of 5 score the same tokens as one chunk; the later chunks read the earlier
+    ones' K/V from the cache, so they agree to the KV format's rounding."""
+    prompt = PROMPT[:13]
+    whole = _prompt_logprobs(make_engine(fp32_model, kv=kv), "w", prompt)
+    chunked = _prompt_logprobs(make_engine(fp32_model, kv=kv, chunked_prefill_size=5), "c",
+                               prompt)
+    tol = 0.02 if kv == "bf16" else 0.3
+    for a, b in zip(whole[1:], chunked[1:]):
+        assert abs(a.logprob - b.logprob) < tol
+    for a, b in zip(whole[1:6], chunked[1:6]):   # the first chunk reads no cache: the same
+        assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-5
+        assert [t for t, _ in a.top] == [t for t, _ in b.top]

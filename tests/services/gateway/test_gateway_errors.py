@@ -66,7 +66,7 @@ def test_prompt_leaving_no_room_without_max_tokens(client):
     ("/v1/completions", {"prompt": "a", "stream_options": {"include_usage": "maybe"}},
      "stream_options.include_usage"),
     ("/v1/completions", {"prompt": "a", "n": 17}, "n"),
-    ("/v1/completions", {"prompt": "a", "echo": True, "logprobs": 1}, "echo"),
+    ("/v1/completions", {"prompt": "a", "suffix": "z"}, "suffix"),
     ("/v1/completions", {"prompt": "a", "tools": [{"type": "function"}]}, "tools"),
     ("/v1/completions", {"prompt": "a", "logprobs": 6}, "logprobs"),
     ("/v1/completions", {"prompt": "a", "logit_bias": {"x": 1.0}}, "logit_bias.x"),

@@ -1,6 +1,6 @@
-"""End to end: an agent's tool loop against ``nibble serve`` (default model) with the official
-openai client: a forced call that validates, the tool's result sent back, a content answer;
-streamed and not. Plus n choices sharing one prefill."""
+"""End to end: the API agents call, against ``nibble serve`` (default model) with the official
+openai client: a tool loop (a forced call that validates, the tool's result sent back, a
+content answer; streamed and not), n choices sharing one prefill, echo scoring a text."""
 
 from __future__ import annotations
 
@@ -121,3 +121,22 @@ def test_n_choices_use_one_prefill(client, model):
     # choices 1-3 read every full page of the prompt from the cache: one prefill
     assert r.usage.prompt_tokens_details.cached_tokens >= 3 * (p - 16)
     assert r.usage.completion_tokens <= 4 * 8
+
+
+def test_echo_with_logprobs_scores_a_text(client, model):
+    text = "The capital of France is Paris."
+    r = client.completions.create(model=model, prompt=text, echo=True, logprobs=2,
+                                  max_tokens=1, temperature=0)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text.startswith(text)
+    n_prompt = r.usage.prompt_tokens
+    assert len(lp.tokens) == n_prompt + 1 and "".join(lp.tokens[:n_prompt]) == text
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v <= 0 for v in lp.token_logprobs[1:])
+    assert all(len(t) == 2 for t in lp.top_logprobs[1:])
+    assert lp.text_offset[:3] == [0, len(lp.tokens[0]), len(lp.tokens[0]) + len(lp.tokens[1])]
+    # a plausible text scores higher than a scrambled one
+    worse = client.completions.create(model=model, prompt="Capital the Paris of is France.",
+                                      echo=True, logprobs=0, max_tokens=1, temperature=0)
+    assert sum(lp.token_logprobs[1:n_prompt]) > sum(worse.choices[0].logprobs.token_logprobs[
+        1:worse.usage.prompt_tokens])
