@@ -8,7 +8,7 @@ kernel on the same pages, the CUDA FP8 variants and the Triton FP8 kernel on one
 FP8 pool, and torch SDPA on contiguous BF16. Optionally dumps registers and SASS
 of the built extension (cuobjdump). Prints a table; JSON to ``$OUT/kernels_cuda.json``.
 
-    python bench/kernels_cuda.py [--quick] [--variants 4,3,14] [--fp8-variants 110403] [--sass]
+    python bench/kernels_cuda.py [--quick] [--variants 10424,10404] [--fp8-variants 110403] [--sass]
     python bench/kernels_cuda.py --diag            # loads-only / compute-only diagnostics
     ncu -k regex:decode_kernel python bench/kernels_cuda.py --profile 4   # one case, no graph
 """

@@ -29,9 +29,11 @@ MAX_GROUP = 8
 MIN_TILES_PER_WARP = 4
 # variant = 10000 * pair + 100 * pipe + 10 * dequant + register cap. pair: two 16-token
 # tiles per softmax step; pipe: cp.async shared-memory stages per warp (0: next tile
-# prefetched into registers); dequant 0: byte-permute bit placement, 1: E4M3 bytes widened
-# by cvt; cap (CTAs per SM): 4 -> 128 registers, 3 -> 168.
-VARIANTS = (10404, 4, 3, 14, 404, 10604)
+# prefetched into registers); dequant 0: byte-permute bit placement (4 LOP3 + 3 shifts +
+# 4 PRMT per 8 codes), 2: the same with one sign word shared by both nibble halves (3 LOP3);
+# cap (CTAs per SM): 4 -> 128 registers. 10404 and 4 are the dequant-0 references of 10424
+# and 24 (same loops, one LOP3 more per 8 codes).
+VARIANTS = (10424, 24, 10404, 4)
 # FP8 E4M3 pages (100000 + the same fields; cp.async rings only): 110602 two tiles per step,
 # 6 stages (two pairs in flight), 2 CTAs per SM; 110403 / 110404 4 stages, 168 / 128-register
 # caps; 100304 / 100204 one tile per step, 3 / 2 stages.
@@ -39,7 +41,7 @@ FP8_VARIANTS = (110602, 110403, 110404, 100304, 100204)
 # Diagnostics for the benchmark only (wrong results): 1004 loads without compute, 2004
 # computes on register data without loads.
 DIAG_VARIANTS = (1004, 2004)
-DEFAULT_VARIANT = 10404  # fastest on an H200 in 4 of the 5 benchmark cases
+DEFAULT_VARIANT = 10424  # fastest on an H200 in every benchmark case (docs/benchmarks.md)
 DEFAULT_FP8_VARIANT = 110602  # equal to 110403 in sum over the benchmark cases, 6% faster
                                # at 64 x 4096, 2% slower at 32 x 32768 (H200)
 FORMATS = ("nvfp4", "fp8_e4m3")
@@ -128,6 +130,9 @@ def _check_pool_views(pages: LayerPages) -> int:
         raise KernelInputError("K codes must be 16-byte aligned with a 16-byte page stride")
     if any(not 0 <= v.data_ptr() - base < max(stride, 1) for v in views[1:]):
         raise KernelInputError("V codes and the scales must follow the K codes inside each page")
+    if stride >= 1 << 32:
+        raise KernelInputError(f"the page stride must be below 4 GiB (the kernel computes page "
+                               f"addresses with 32-bit factors), got {stride} bytes")
     return stride
 
 

@@ -16,18 +16,20 @@
 //   n = 8 heads). P goes from the S accumulator to the B fragment with two movmatrix.trans
 //   per tile. Lane (g, t) owns head-dim block g (d = 16g .. 16g+15) of tokens 2t, 2t+1,
 //   8+2t, 9+2t: 8 bytes per token row.
-// * E2M1 -> fp16 by bit placement: s << 15 | m << 9 is exactly value * 2^-14 (7 logic ops
-//   + 4 byte permutes per 8 codes; V pairs two tokens' bytes first). Block scales are
-//   converted with cvt.rn.f16x2.e4m3x2, times 2^7 (so every product is an exact
-//   normal-range fp16), and applied with one HMUL2 per 2 elements. 2^7 * 2^-14 and the
-//   global scales fold into the softmax scale (K) and the partial output (V).
+// * E2M1 -> fp16 by bit placement: s << 15 | m << 9 is exactly value * 2^-14 (3 LOP3 +
+//   3 shifts + 4 byte permutes per 8 codes with DQ 2; V pairs two tokens' bytes first).
+//   Block scales are converted with cvt.rn.f16x2.e4m3x2, times 2^7 (so every product is an
+//   exact normal-range fp16), and applied with one HMUL2 per 2 elements. 2^7 * 2^-14 and
+//   the global scales fold into the softmax scale (K) and the partial output (V).
 // * Online softmax in the log2 domain with a lazy rescale: the running max moves only when
 //   a score exceeds it by more than 8, so p <= 256; a warp vote skips the max reduction and
 //   the accumulator rescale otherwise.
 // * Feeding (variants, see decode.VARIANTS): the next tile prefetched into registers
-//   (ping-pong), or a per-warp cp.async ring in shared memory with lane-private chunk
-//   layouts (conflict-free), consumed one tile or two tiles (one softmax step per 32
-//   tokens, two independent score chains) at a time.
+//   (ping-pong), or a per-warp cp.async ring in shared memory with conflict-free chunk
+//   layouts, consumed one tile or two tiles (one softmax step per 32 tokens, two
+//   independent score chains) at a time. Page addresses are one 32 x 32 -> 64-bit multiply
+//   (the wrapper bounds the page stride), the Q fragment loads after the first copies are
+//   issued, and the reduce kernel spreads the splits over up to 32 warps.
 // * FP8 E4M3 pages (decode.FP8_VARIANTS) share everything but the tile: the ring loops,
 //   softmax step and combine are templates over a format policy (NVFP4 or FP8, see
 //   pipe.cuh and fp8.cuh); FP8 converts with one cvt.rn.f16x2.e4m3x2 per 2 values and has
@@ -95,9 +97,10 @@ __global__ void __launch_bounds__(128, MINB) decode_kernel(const Params p) {
   const int per = (n_tiles + nw - 1) / nw;
   const int t_lo = min((c * kWarps + warp) * per, n_tiles);
   const int t_hi = min(t_lo + per, n_tiles);
-  uint32_t qf[8][2];
-  if (FMT == 1) load_q8(p, b, h, lane, qf);
-  else load_q(p, b, h, lane, qf);
+  const auto q_loader = [&](uint32_t (&q)[8][2]) {
+    if (FMT == 1) load_q8(p, b, h, lane, q);
+    else load_q(p, b, h, lane, q);
+  };
   State st;
 #pragma unroll
   for (int i = 0; i < 8; ++i) st.acc[i][0] = st.acc[i][1] = st.acc[i][2] = st.acc[i][3] = 0.f;
@@ -106,47 +109,74 @@ __global__ void __launch_bounds__(128, MINB) decode_kernel(const Params p) {
   const float qk = p.qk_scale * __ldg(p.k_gs);
   typedef typename std::conditional<FMT == 1, Fp8Fmt, Nvfp4Fmt<DQ>>::type F;
   uint8_t* ring = smem + warp * (PIPE > 0 ? PIPE : 1) * F::kStage;
-  if (PIPE == 0) {
-    if (t_lo < t_hi) warp_tiles<DQ, MODE>(p, b, h, seq_len, t_lo, t_hi, lane, qf, qk, st);
-  } else if (PAIR) {
-    warp_pairs_pipe<F, PIPE>(p, b, h, seq_len, t_lo, t_hi, lane, ring, qf, qk, st);
+  if constexpr (PAIR == 1 && PIPE > 0) {
+    warp_pairs_pipe<F, PIPE>(p, b, h, seq_len, t_lo, t_hi, lane, ring, q_loader, qk, st);
   } else {
-    warp_tiles_pipe<F, PIPE>(p, b, h, seq_len, t_lo, t_hi, lane, ring, qf, qk, st);
+    uint32_t qf[8][2];
+    q_loader(qf);
+    if (PIPE == 0) {
+      if (t_lo < t_hi) warp_tiles<DQ, MODE>(p, b, h, seq_len, t_lo, t_hi, lane, qf, qk, st);
+    } else {
+      warp_tiles_pipe<F, PIPE>(p, b, h, seq_len, t_lo, t_hi, lane, ring, qf, qk, st);
+    }
   }
   combine_warps(p, b, h, c, lane, warp, smem, (FMT == 1 ? 1.f : 128.f) * __ldg(p.v_gs), st);
 }
 
-// out[b, hq, :] = sum_s 2^(m_s - M) o_s / sum_s 2^(m_s - M) l_s; one CTA of 128 per (b, hq).
-__global__ void __launch_bounds__(128) reduce_kernel(const float* __restrict__ po,
-                                                     const float* __restrict__ pml, void* out,
-                                                     long long o_b, long long o_h, int out_dtype,
-                                                     int hq, int nsplit) {
-  const int bq = blockIdx.x, d = threadIdx.x;
+// out[b, hq, :] = sum_s 2^(m_s - M) o_s / sum_s 2^(m_s - M) l_s; one CTA per (b, hq) of
+// 32 * R threads (R = blockDim / 32 groups, up to kRedGroups): all threads find M, then group r
+// (one warp, 4 head dims per lane, 16-byte loads) sums splits r, r + R, ..., and 128 threads
+// add the groups up in shared memory. With one thread per head dim looping over all splits,
+// the kernel took 13 us at 66 splits (1 x 131072; 3.5 us at 8 splits).
+constexpr int kRedGroups = 32;
+__global__ void __launch_bounds__(32 * kRedGroups) reduce_kernel(
+    const float* __restrict__ po, const float* __restrict__ pml, void* out, long long o_b,
+    long long o_h, int out_dtype, int hq, int nsplit) {
+  __shared__ float s_mx[kRedGroups];
+  __shared__ float4 s_o[kRedGroups][kD / 4];
+  __shared__ float s_l[kRedGroups];
+  const int bq = blockIdx.x, tid = threadIdx.x, lane = tid & 31, grp = tid >> 5;
+  const int groups = blockDim.x >> 5;
   const long long base = (long long)bq * nsplit;
   float mx = -INFINITY;
-  for (int s = 0; s < nsplit; ++s) mx = fmaxf(mx, pml[(base + s) * 2]);
-  float o = 0.f, l = 0.f;
-  for (int s = 0; s < nsplit; ++s) {
-    const float m = pml[(base + s) * 2];
-    const float wt = m == -INFINITY ? 0.f : ex2(m - mx);
-    o += wt * po[(base + s) * kD + d];
-    l += wt * pml[(base + s) * 2 + 1];
+  for (int s = tid; s < nsplit; s += blockDim.x) mx = fmaxf(mx, pml[(base + s) * 2]);
+#pragma unroll
+  for (int sh = 16; sh > 0; sh >>= 1) mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, sh));
+  if (lane == 0) s_mx[grp] = mx;
+  __syncthreads();
+  mx = -INFINITY;
+  for (int w = 0; w < groups; ++w) mx = fmaxf(mx, s_mx[w]);
+  float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+  float l = 0.f;
+#pragma unroll 2
+  for (int s = grp; s < nsplit; s += groups) {
+    const float2 ml = reinterpret_cast<const float2*>(pml)[base + s];
+    const float wt = ml.x == -INFINITY ? 0.f : ex2(ml.x - mx);
+    const float4 v = reinterpret_cast<const float4*>(po + (base + s) * kD)[lane];
+    o.x += wt * v.x; o.y += wt * v.y; o.z += wt * v.z; o.w += wt * v.w;
+    l += wt * ml.y;
   }
-  const float r = l > 0.f ? o / l : 0.f;
-  const long long oi = (long long)(bq / hq) * o_b + (long long)(bq % hq) * o_h + d;
-  if (out_dtype == 0) reinterpret_cast<__nv_bfloat16*>(out)[oi] = __float2bfloat16_rn(r);
-  else if (out_dtype == 1) reinterpret_cast<__half*>(out)[oi] = __float2half_rn(r);
-  else reinterpret_cast<float*>(out)[oi] = r;
+  s_o[grp][lane] = o;
+  if (lane == 0) s_l[grp] = l;
+  __syncthreads();
+  if (tid >= kD) return;
+  const float* so = reinterpret_cast<const float*>(&s_o[0][0]);
+  float acc = 0.f, lsum = 0.f;
+  for (int r = 0; r < groups; ++r) { acc += so[r * kD + tid]; lsum += s_l[r]; }
+  const float res = lsum > 0.f ? acc / lsum : 0.f;
+  const long long oi = (long long)(bq / hq) * o_b + (long long)(bq % hq) * o_h + tid;
+  if (out_dtype == 0) reinterpret_cast<__nv_bfloat16*>(out)[oi] = __float2bfloat16_rn(res);
+  else if (out_dtype == 1) reinterpret_cast<__half*>(out)[oi] = __float2half_rn(res);
+  else reinterpret_cast<float*>(out)[oi] = res;
 }
 
 // variant = 100000 * FMT + 10000 * PAIR + 1000 * MODE + 100 * PIPE + 10 * DQ + MINB:
 // FMT = page format (0 NVFP4, 1 FP8 E4M3), PAIR = two tiles per step, MODE = diagnostic
 // (1 loads only, 2 compute only), PIPE = cp.async stages per warp (0: register ping-pong),
 // DQ = dequant form, MINB = CTAs per SM for the register cap.
-#define NIBBLE_VARIANTS(X) X(4, 0, 0, 0, 0, 0) X(3, 0, 0, 0, 0, 0) X(4, 1, 0, 0, 0, 0)         \
-  X(4, 0, 4, 0, 0, 0) X(4, 0, 0, 1, 0, 0) X(4, 0, 0, 2, 0, 0) X(4, 0, 4, 0, 1, 0)              \
-  X(4, 0, 6, 0, 1, 0) X(3, 0, 4, 0, 1, 1) X(4, 0, 4, 0, 1, 1) X(4, 0, 3, 0, 0, 1)              \
-  X(4, 0, 2, 0, 0, 1) X(2, 0, 6, 0, 1, 1)
+#define NIBBLE_VARIANTS(X) X(4, 0, 0, 0, 0, 0) X(4, 2, 0, 0, 0, 0) X(4, 0, 4, 0, 1, 0)         \
+  X(4, 2, 4, 0, 1, 0) X(4, 0, 0, 1, 0, 0) X(4, 0, 0, 2, 0, 0) X(3, 0, 4, 0, 1, 1)              \
+  X(4, 0, 4, 0, 1, 1) X(4, 0, 3, 0, 0, 1) X(4, 0, 2, 0, 0, 1) X(2, 0, 6, 0, 1, 1)
 
 static int smem_bytes(int pipe, int fmt) {
   const int ring = kWarps * pipe * (fmt == 1 ? kStage8 : kStageBytes);
@@ -182,7 +212,9 @@ void launch_decode(const Params& p, int batch, int variant, void* stream) {
 
 void launch_reduce(const float* part_o, const float* part_ml, void* out, long long o_b,
                    long long o_h, int out_dtype, int batch, int hq, int nsplit, void* stream) {
-  reduce_kernel<<<batch * hq, kD, 0, static_cast<cudaStream_t>(stream)>>>(
+  // at least kD threads for the final sum; one warp per split up to kRedGroups
+  const int groups = nsplit < kD / 32 ? kD / 32 : nsplit < kRedGroups ? nsplit : kRedGroups;
+  reduce_kernel<<<batch * hq, 32 * groups, 0, static_cast<cudaStream_t>(stream)>>>(
       part_o, part_ml, out, o_b, o_h, out_dtype, hq, nsplit);
 }
 

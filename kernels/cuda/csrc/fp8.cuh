@@ -132,13 +132,14 @@ struct Fp8Fmt {
   }
   __device__ static __forceinline__ void issue(uint32_t stage, const Params& p, PageCursor& pc,
                                                const LaneT& ln, int tile, int lane) {
-    const int page = pc.page(tile >> p.tpp_log2, lane);
-    const int off = tile & ((1 << p.tpp_log2) - 1);
-    const uint8_t* pg = p.kd + (long long)page * p.page_stride + off * (16 * 128);
+    const uint32_t off = (uint32_t)tile & ((1u << p.tpp_log2) - 1u);
+    const uint8_t* pg = page_base(p, pc.page(tile >> p.tpp_log2, lane));
+    const uint8_t* kp = ptr_add(pg, off * (16 * 128) + ln.k);
+    const uint8_t* vp = ptr_add(pg, off * (16 * 128) + ln.v);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      cp16(stage + ln.dst[i], pg + ln.k + 512 * i);
-      cp16(stage + kV8Off + ln.dst[i], pg + ln.v + 512 * i);
+      cp16(stage + ln.dst[i], kp + 512 * i);
+      cp16(stage + kV8Off + ln.dst[i], vp + 512 * i);
     }
   }
   template <bool MASK>

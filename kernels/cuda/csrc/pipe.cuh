@@ -14,8 +14,11 @@ namespace nibble_nvfp4 {
 __device__ __forceinline__ void cp16(uint32_t dst, const uint8_t* src) {
   asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" :: "r"(dst), "l"(src));
 }
-__device__ __forceinline__ void cp8(uint32_t dst, const uint8_t* src) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" :: "r"(dst), "l"(src));
+// Predicated copy (no branch, so no divergence bookkeeping around it).
+__device__ __forceinline__ void cp16_if(uint32_t dst, const uint8_t* src, bool pred) {
+  asm volatile("{.reg .pred p;\n setp.ne.b32 p, %2, 0;\n"
+               " @p cp.async.cg.shared.global.L2::256B [%0], [%1], 16;\n}"
+               :: "r"(dst), "l"(src), "r"((int)pred));
 }
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;"); }
 template <int N> __device__ __forceinline__ void cp_wait() {
@@ -60,28 +63,27 @@ __device__ __forceinline__ void softmax_pair(float (&x)[2][4], float qk, int rem
   }
 }
 
-// ---- NVFP4 ring stage: lane-private code chunks [chunk][lane] (conflict-free 16/8-byte
-// accesses) and the tile's two 128-byte scale blocks copied by lanes 0-15.
+// ---- NVFP4 ring stage: K as lane-private code chunks [chunk][lane], V as 8-byte slots
+// [read j][lane t * 8 + g] (both conflict-free for the fragment reads) and the tile's two
+// 128-byte scale blocks copied by lanes 0-15.
 constexpr int kStageBytes = 2304, kKOff = 0, kVOff = 1024, kKsOff = 2048, kVsOff = 2176;
 
 struct LaneCp {         // per-lane byte offsets from the K code section of page 0, tile 0
   uint32_t k, v, sc;    // sc: this lane's 16-byte piece of a scale block (lanes 0-15)
+  uint32_t vd;          // stage offset of this lane's first 16-byte V chunk
 };
 
 __device__ __forceinline__ void issue_tile(uint32_t stage, const Params& p, PageCursor& pc,
                                            const LaneCp& ln, int tile, int lane) {
-  const int page = pc.page(tile >> p.tpp_log2, lane);
-  const int off = tile & ((1 << p.tpp_log2) - 1);
-  const uint8_t* pg = p.kd + (long long)page * p.page_stride;
-  const uint8_t* kp = pg + off * (16 * 64) + ln.k;
-  const uint8_t* vp = pg + off * (16 * 64) + ln.v;
+  const uint8_t* pg = page_base(p, pc.page(tile >> p.tpp_log2, lane));
+  const uint32_t off = (uint32_t)tile & ((1u << p.tpp_log2) - 1u);
+  const uint8_t* kp = ptr_add(pg, off * (16 * 64) + ln.k);
+  const uint8_t* vp = ptr_add(pg, off * (16 * 64) + ln.v);
   cp16(stage + kKOff + lane * 16, kp);
   cp16(stage + kKOff + 512 + lane * 16, kp + 8 * 64);
-  cp8(stage + kVOff + lane * 8, vp);
-  cp8(stage + kVOff + 256 + lane * 8, vp + 64);
-  cp8(stage + kVOff + 512 + lane * 8, vp + 8 * 64);
-  cp8(stage + kVOff + 768 + lane * 8, vp + 9 * 64);
-  if (lane < 16) cp16(stage + kKsOff + lane * 16, pg + off * (16 * 8) + ln.sc);
+  cp16(stage + ln.vd, vp);                    // rows lane / 4 and 8 + lane / 4, 16 bytes
+  cp16(stage + ln.vd + 512, vp + 512);
+  cp16_if(stage + kKsOff + lane * 16, ptr_add(pg, off * (16 * 8) + ln.sc), lane < 16);
 }
 
 __device__ __forceinline__ void read_k(Tile& x, const uint8_t* st, int lane) {
@@ -95,7 +97,7 @@ __device__ __forceinline__ void read_v(Tile& x, const uint8_t* st, int lane) {
   const int g = lane >> 2, t = lane & 3;
 #pragma unroll
   for (int j = 0; j < 4; ++j)
-    x.v[j] = *reinterpret_cast<const uint2*>(st + kVOff + j * 256 + lane * 8);
+    x.v[j] = *reinterpret_cast<const uint2*>(st + kVOff + j * 256 + (t * 8 + g) * 8);
   x.vs[0] = st[kVsOff + (2 * t) * 8 + g];
   x.vs[1] = st[kVsOff + (2 * t + 1) * 8 + g];
   x.vs[2] = st[kVsOff + (8 + 2 * t) * 8 + g];
@@ -110,8 +112,14 @@ template <int DQ> struct Nvfp4Fmt {
     const uint32_t row0 = (uint32_t)(h * p.page_size);
     const uint32_t ks0 = (uint32_t)(p.ks - p.kd), vd0 = (uint32_t)(p.vd - p.kd);
     const uint32_t vs0 = (uint32_t)(p.vs - p.kd);
-    return {(row0 + g) * 64 + 16 * t, vd0 + (row0 + 2 * t) * 64 + 8 * g,
-            (lane < 8 ? ks0 : vs0) + row0 * 8 + (lane & 7) * 16};
+    // V: lane L copies bytes [16 L, 16 L + 16) of the tile's rows (and 512 on), i.e. row
+    // r = L / 4, bytes 16u (u = L % 4), into the 8-byte slots of lanes (g = 2u, 2u + 1,
+    // t = (r / 2) % 4) of read j = r % 2 (+ 2 for rows 8-15); read_v's 8-byte loads of
+    // slot t * 8 + g are conflict-free, and each copy instruction moves 512 contiguous bytes.
+    const uint32_t r = lane >> 2, u = lane & 3;
+    return {(row0 + g) * 64 + 16 * t, vd0 + row0 * 64 + 16 * lane,
+            (lane < 8 ? ks0 : vs0) + row0 * 8 + (lane & 7) * 16,
+            kVOff + (r & 1) * 256 + ((r >> 1) & 3) * 64 + 16 * u};
   }
   __device__ static __forceinline__ void issue(uint32_t stage, const Params& p, PageCursor& pc,
                                                const LaneT& ln, int tile, int lane) {
@@ -186,10 +194,11 @@ __device__ __forceinline__ void warp_tiles_pipe(const Params& p, int b, int h, i
 }
 
 // Two tiles per iteration over a PIPE-stage ring (PIPE even): pairs ahead in flight.
-template <class F, int PIPE>
+// load_q(qf) runs after the first copies are issued, so that its latency overlaps theirs.
+template <class F, int PIPE, class QLoad>
 __device__ __forceinline__ void warp_pairs_pipe(const Params& p, int b, int h, int seq_len,
                                                 int t_lo, int t_hi, int lane, uint8_t* ring,
-                                                const uint32_t (&qf)[8][2], float qk, State& st) {
+                                                QLoad load_q, float qk, State& st) {
   const typename F::LaneT ln = F::lane_of(p, h, lane);
   PageCursor pc;
   cursor_init(pc, p, b, seq_len, t_lo, lane);
@@ -199,17 +208,26 @@ __device__ __forceinline__ void warp_pairs_pipe(const Params& p, int b, int h, i
     if (t_lo + i < t_hi) F::issue(ring_s + i * F::kStage, p, pc, ln, t_lo + i, lane);
     cp_commit();
   }
+  uint32_t qf[8][2];
+  load_q(qf);
   const int end = min(seq_len, t_hi * 16);    // tokens past this belong to no tile of ours
   int slot = 0;                               // ring slot of tile tt (even)
   for (int tt = t_lo; tt < t_hi; tt += 2) {
     cp_wait<PIPE - 4>();
     __syncwarp();
     const int ns = slot == 0 ? PIPE - 2 : slot - 2;          // slots read last iteration
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      if (tt + PIPE - 2 + i < t_hi)
-        F::issue(ring_s + (ns + i) * F::kStage, p, pc, ln, tt + PIPE - 2 + i, lane);
+    const int tn = tt + PIPE - 2;
+    if (tn + 1 < t_hi) {                      // the common case: both tiles, straight line
+      F::issue(ring_s + ns * F::kStage, p, pc, ln, tn, lane);
       cp_commit();
+      F::issue(ring_s + (ns + 1) * F::kStage, p, pc, ln, tn + 1, lane);
+      cp_commit();
+    } else {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        if (tn + i < t_hi) F::issue(ring_s + (ns + i) * F::kStage, p, pc, ln, tn + i, lane);
+        cp_commit();
+      }
     }
     const uint8_t* sa = ring + slot * F::kStage;
     const int rem = end - tt * 16;

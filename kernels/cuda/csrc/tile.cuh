@@ -78,34 +78,49 @@ __device__ __forceinline__ uint32_t pack_h2(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&z);
 }
 
+// (b & c) | (a & ~c) in one LOP3 (inline PTX: written in C, the compiler re-derives the
+// masks of the sign word and emits two LOP3 again).
+__device__ __forceinline__ uint32_t lop3_sel(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xD8;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+  return r;
+}
+__device__ __forceinline__ uint32_t and_b32(uint32_t a, uint32_t b) {
+  uint32_t r;
+  asm("and.b32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+
 // 8 E2M1 codes (4 bytes, low nibble first) -> 4 fp16x2 (c_i = nibble i):
-// r0 = {c0, c2}, r1 = {c4, c6}, r2 = {c1, c3}, r3 = {c5, c7}.
-// DQ 0: each code's fp16 high byte is built (s << 7 | m << 1) and placed over a zero low
-//       byte with a byte permute: value * 2^-14.
-// DQ 1: each code becomes an E4M3 byte (s << 7 | m << 2) and cvt.rn.f16x2.e4m3x2 widens
-//       two at a time: value * 2^-6.
+// r0 = {c0, c2}, r1 = {c4, c6}, r2 = {c1, c3}, r3 = {c5, c7}. Each code's fp16 high byte is
+// built (s << 7 | m << 1, exactly value * 2^-14 with the subnormal code 1) and placed over a
+// zero low byte with a byte permute. DQ 0: 4 LOP3 + 3 shifts + 4 PRMT per 8 codes (as the
+// compiler emits the plain expression); DQ 2: 3 LOP3 + 3 shifts + 4 PRMT, one sign word
+// shared by both nibble halves. (An E4M3-byte form widened by cvt.rn.f16x2.e4m3x2 was 1-2%
+// slower and was removed.)
 template <int DQ>
 __device__ __forceinline__ void dq8(uint32_t w, uint32_t (&r)[4]) {
+  uint32_t l, h;
   if (DQ == 0) {
-    const uint32_t l = ((w << 4) & 0x80808080u) | ((w << 1) & 0x0E0E0E0Eu);
-    const uint32_t h = (w & 0x80808080u) | ((w >> 3) & 0x0E0E0E0Eu);
-    r[0] = __byte_perm(l, 0, 0x1404);
-    r[1] = __byte_perm(l, 0, 0x3424);
-    r[2] = __byte_perm(h, 0, 0x1404);
-    r[3] = __byte_perm(h, 0, 0x3424);
+    l = ((w << 4) & 0x80808080u) | ((w << 1) & 0x0E0E0E0Eu);
+    h = (w & 0x80808080u) | ((w >> 3) & 0x0E0E0E0Eu);
   } else {
-    const uint32_t l = ((w << 4) & 0x80808080u) | ((w << 2) & 0x1C1C1C1Cu);
-    const uint32_t h = (w & 0x80808080u) | ((w >> 2) & 0x1C1C1C1Cu);
-    asm("{.reg .b16 a, b, c, d;\n mov.b32 {a, b}, %4;\n mov.b32 {c, d}, %5;\n"
-        " cvt.rn.f16x2.e4m3x2 %0, a;\n cvt.rn.f16x2.e4m3x2 %1, b;\n"
-        " cvt.rn.f16x2.e4m3x2 %2, c;\n cvt.rn.f16x2.e4m3x2 %3, d;\n}"
-        : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(l), "r"(h));
+    // One sign word serves both halves: bits 1-3 of each byte come from the shifted
+    // magnitudes, every other bit from the sign word, whose only set bits are 3 and 7 (bit 3
+    // falls under the magnitude field and is dropped).
+    const uint32_t s8 = and_b32(w, 0x88888888u);
+    l = lop3_sel(s8 << 4, w << 1, 0x0E0E0E0Eu);
+    h = lop3_sel(s8, w >> 3, 0x0E0E0E0Eu);
   }
+  r[0] = __byte_perm(l, 0, 0x1404);
+  r[1] = __byte_perm(l, 0, 0x3424);
+  r[2] = __byte_perm(h, 0, 0x1404);
+  r[3] = __byte_perm(h, 0, 0x3424);
 }
 
 // fp16x2 factor on the block scales so that code * scale = value * scale * 2^-7 (exact).
 template <int DQ> struct ScaleMul {
-  static constexpr uint32_t kH2 = DQ == 1 ? 0x38003800u : 0x58005800u;
+  static constexpr uint32_t kH2 = 0x58005800u;   // 2^7
 };
 
 __device__ __forceinline__ void mma16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
@@ -135,11 +150,27 @@ struct PageCursor {     // block-table entries, 32 pages per lane-wide register,
   }
 };
 
+// Start of a page's bytes: one IMAD.WIDE.U32 (the wrapper checks that the page stride fits
+// 32 bits; block-table entries are non-negative), and 64-bit pointer + 32-bit offset as one
+// add pair. Inline PTX keeps the compiler from re-deriving each copy's address with its own
+// signed 64-bit multiply (about 60 integer instructions per tile's copy issue before).
+__device__ __forceinline__ const uint8_t* page_base(const Params& p, int page) {
+  const uint8_t* r;
+  asm("mad.wide.u32 %0, %1, %2, %3;"
+      : "=l"(r) : "r"((uint32_t)page), "r"((uint32_t)p.page_stride), "l"(p.kd));
+  return r;
+}
+__device__ __forceinline__ const uint8_t* ptr_add(const uint8_t* base, uint32_t off) {
+  const uint8_t* r;
+  asm("{.reg .u64 t;\n cvt.u64.u32 t, %2;\n add.u64 %0, %1, t;\n}" : "=l"(r) : "l"(base), "r"(off));
+  return r;
+}
+
 __device__ __forceinline__ void load_tile(Tile& x, const Params& p, PageCursor& pc,
                                           const Lane& ln, int tile, int lane) {
   const int page = pc.page(tile >> p.tpp_log2, lane);
   const int off = tile & ((1 << p.tpp_log2) - 1);              // tile index in the page
-  const uint8_t* base = p.kd + (long long)page * p.page_stride + off * (16 * 64);
+  const uint8_t* base = page_base(p, page) + off * (16 * 64);
   const uint8_t* kp = base + ln.k;
   const uint8_t* vp = base + ln.v;
   const uint8_t* ksp = base + (ln.ks - off * (16 * 64 - 16 * 8));

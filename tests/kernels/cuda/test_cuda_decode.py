@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from nibble.kernels import KernelInputError, PageLayout, decode_attention_ref, store_kv_ref
+from nibble.kernels.layout import LayerPages
 from nibble.kernels.cuda import FP8_VARIANTS, VARIANTS, decode_attention_cuda, is_built
 
 HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
@@ -60,6 +61,7 @@ def _err(layout, pool, tables, lens, q, got, layer=1):
     ((700, 1), 32, 1, 8, 2),
     ((250,), 16, 4, 1, None),
     ((4000, 3), 16, 2, 4, 20),   # many splits: some warps and CTAs get no tile
+    ((9000, 3), 16, 2, 4, 70),   # more splits than the reduce kernel has split groups (32)
 ])
 @pytest.mark.parametrize("fmt,variant", [("nvfp4", v) for v in VARIANTS] +
                          [("fp8_e4m3", v) for v in FP8_VARIANTS])
@@ -171,3 +173,13 @@ def test_rejects_bad_options_on_gpu(kwargs, message):
     with pytest.raises(KernelInputError, match=message):
         decode_attention_cuda(layout, layout.layer_view(pool, 0), q.cuda(), tables.cuda(),
                               lens.cuda(), 0.1, **kwargs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_SM90, reason="needs an sm_90 GPU")
+def test_rejects_page_stride_of_4_gib():
+    layout, _, q, tables, lens = _cpu_args()
+    view = layout.layer_view(layout.allocate(1, "cuda"), 0)   # one page: any page stride is valid
+    huge = LayerPages(*(v.as_strided(v.shape, (1 << 32,) + v.stride()[1:]) for v in view))
+    with pytest.raises(KernelInputError, match="page stride"):
+        decode_attention_cuda(layout, huge, q.cuda(), tables[:, :1].cuda(), lens.cuda(), 0.1)
