@@ -23,6 +23,8 @@ from .protocol import ChatCompletionRequest, ChatMessage
 from .tool_parsers import ToolParser, make_tool_parser
 
 TOOL_PARSER_AUTO, TOOL_PARSER_NONE = "auto", "none"
+# 400s for tool fields that contradict each other or the history (no schema can state them)
+INVALID_TOOLS = "invalid_tools"
 
 
 @dataclass(frozen=True)
@@ -66,13 +68,16 @@ def plan_tools(body: ChatCompletionRequest, configured: str, template_source: st
     mode, named = _choice(body)
     tools = [t.function.model_dump(exclude_none=True) for t in body.tools or []]
     if body.tool_choice is not None and not tools and mode != "none":
-        raise InvalidRequestError("tool_choice needs tools", param="tool_choice")
+        raise InvalidRequestError("tool_choice needs tools", param="tool_choice",
+                                  code=INVALID_TOOLS)
     if len({t["name"] for t in tools}) != len(tools):
-        raise InvalidRequestError("tools: function names must be unique", param="tools")
+        raise InvalidRequestError("tools: function names must be unique", param="tools",
+                                  code=INVALID_TOOLS)
     if configured == TOOL_PARSER_NONE:
         if tools and mode != "none":
             raise InvalidRequestError("tool calling is off on this server "
-                                      "(--tool-call-parser none)", param="tools")
+                                      "(--tool-call-parser none)", param="tools",
+                                      code=INVALID_TOOLS)
         return ToolPlan(None, None, None, None, None)
     # a named function is called once; otherwise parallel_tool_calls (default true) decides
     history = make_tool_parser(resolve_parser_name(configured, template_source),
@@ -80,7 +85,7 @@ def plan_tools(body: ChatCompletionRequest, configured: str, template_source: st
                                body.parallel_tool_calls is not False and named is None)
     if named is not None and named not in history.names:
         raise InvalidRequestError(f"tool_choice names function '{named}', which is not "
-                                  "among tools", param="tool_choice")
+                                  "among tools", param="tool_choice", code=INVALID_TOOLS)
     native = _template_renders_tools(template_source)
     template_tools = [{"type": "function", "function": t} for t in tools] or None
     system = None
@@ -116,7 +121,7 @@ def _calls(m: ChatMessage, i: int) -> list[dict[str, Any]]:
         if not isinstance(args, dict):
             raise InvalidRequestError(
                 f"messages[{i}].tool_calls[{j}].function.arguments is not a JSON object",
-                param=f"messages[{i}].tool_calls[{j}].function.arguments")
+                param=f"messages[{i}].tool_calls[{j}].function.arguments", code=INVALID_TOOLS)
         out.append({"id": call.id, "type": "function",
                     "function": {"name": call.function.name, "arguments": args}})
     return out
@@ -131,7 +136,8 @@ def template_messages(body: ChatCompletionRequest, plan: ToolPlan) -> list[dict[
         role, text = ("system" if m.role == "developer" else m.role), _text(m, i)
         if m.tool_calls and m.role != "assistant":
             raise InvalidRequestError(f"messages[{i}]: only assistant messages carry "
-                                      "tool_calls", param=f"messages[{i}].tool_calls")
+                                      "tool_calls", param=f"messages[{i}].tool_calls",
+                                      code=INVALID_TOOLS)
         calls = _calls(m, i)
         if native:
             msg: dict[str, Any] = {"role": role, "content": text}

@@ -23,6 +23,8 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
+from ..frontend.protocol import MAX_CHOICES
+
 ERROR_REF = {"$ref": "#/components/schemas/OpenAIError"}
 NULLABLE_STR = {"anyOf": [{"type": "string"}, {"type": "null"}]}
 OPENAI_ERROR = {
@@ -47,7 +49,13 @@ REASONS = {400: "Invalid request", 401: "Missing or wrong API key", 403: "Not al
 _USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
           "properties": {k: {"type": "integer", "minimum": 0}
                          for k in ("prompt_tokens", "completion_tokens", "total_tokens")}}
-_FINISH = {"enum": ["stop", "length", "abort", None]}
+_FINISH = {"enum": ["stop", "length", "abort", "tool_calls", None]}
+_INDEX = {"type": "integer", "minimum": 0, "maximum": MAX_CHOICES - 1}
+_TOOL_CALL = {"type": "object", "required": ["id", "type", "function"],
+              "properties": {"id": {"type": "string"}, "type": {"const": "function"},
+                             "function": {"type": "object", "required": ["name", "arguments"],
+                                          "properties": {"name": {"type": "string"},
+                                                         "arguments": {"type": "string"}}}}}
 
 
 def _envelope(obj: str, choice: dict[str, Any]) -> dict[str, Any]:
@@ -55,19 +63,21 @@ def _envelope(obj: str, choice: dict[str, Any]) -> dict[str, Any]:
             "required": ["id", "object", "created", "model", "choices", "usage"],
             "properties": {"id": {"type": "string"}, "object": {"const": obj},
                            "created": {"type": "integer"}, "model": {"type": "string"},
-                           "choices": {"type": "array", "minItems": 1, "maxItems": 1,
+                           "choices": {"type": "array", "minItems": 1,
+                                       "maxItems": MAX_CHOICES,
                                        "items": choice},
                            "usage": _USAGE}}
 
 
 COMPLETION = _envelope("text_completion", {
     "type": "object", "required": ["index", "text", "finish_reason"],
-    "properties": {"index": {"const": 0}, "text": {"type": "string"}, "finish_reason": _FINISH}})
+    "properties": {"index": _INDEX, "text": {"type": "string"}, "finish_reason": _FINISH}})
 CHAT_COMPLETION = _envelope("chat.completion", {
     "type": "object", "required": ["index", "message", "finish_reason"],
-    "properties": {"index": {"const": 0}, "finish_reason": _FINISH, "message": {
+    "properties": {"index": _INDEX, "finish_reason": _FINISH, "message": {
         "type": "object", "required": ["role", "content"],
-        "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}}}}})
+        "properties": {"role": {"const": "assistant"}, "content": {"type": ["string", "null"]},
+                       "tool_calls": {"type": "array", "items": _TOOL_CALL}}}}})
 MODEL_CARD = {"type": "object", "required": ["id", "object", "created", "owned_by"],
               "properties": {"id": {"type": "string"}, "object": {"const": "model"},
                              "created": {"type": "integer"}, "owned_by": {"type": "string"},

@@ -6,7 +6,10 @@ prompt plus max_tokens longer than the model's context (it depends on how the
 prompt tokenizes), marked ``code: context_length_exceeded``, and a regex, EBNF
 grammar or JSON schema that does not compile, marked ``code: grammar_compile_error``,
 and a logit_bias key beyond the vocabulary, ``code: token_id_out_of_range`` (prompt
-token ids are capped in the served schema).
+token ids are capped in the served schema); and tool fields that contradict each other or
+the history (tool_choice without tools or naming another function, duplicate function
+names, a call's arguments that are no JSON object), ``code: invalid_tools``, which OpenAI
+refuses too and no JSON schema can state.
 Any other 400 on schema-valid input is still a mismatch.
 """
 
@@ -18,7 +21,7 @@ import schemathesis
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
 MODEL_DEPENDENT_CODES = {"context_length_exceeded", "grammar_compile_error",
-                         "token_id_out_of_range"}
+                         "token_id_out_of_range", "invalid_tools"}
 
 
 def _error_code(body: bytes) -> str | None:
