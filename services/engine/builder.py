@@ -19,6 +19,7 @@ from nibble.tiering.secret import KVSecret
 from .. import attention
 from ..attention import ATTENTION_BACKENDS
 from ..attention.calibration import calibrate_pool
+from ..parallel.group import SingleGroup, TPGroup
 from ..config import CacheConfig, DeviceConfig, NibbleConfig
 from ..errors import ConfigError
 from .cuda_graph import DecodeGraphRunner
@@ -165,7 +166,10 @@ def build_engine_core(model, tokenizer, cfg: NibbleConfig, *, device: torch.devi
     backend_name = select_attention_backend(cfg.device.attention_backend, layout, device,
                                             any(w for w in windows or ()))
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    pool = KVPool(layout, plan_num_pages(cfg.cache, layout, device, weight_bytes), device)
+    tp = model.tp if isinstance(getattr(model, "tp", None), TPGroup) else SingleGroup()
+    # tensor parallel: every rank holds the same page ids (its own KV heads in them)
+    num_pages = tp.all_min(plan_num_pages(cfg.cache, layout, device, weight_bytes))
+    pool = KVPool(layout, num_pages, device)
     context = min(cfg.model.context_length or arch.max_position_embeddings,
                   arch.max_position_embeddings)
     if inject.calibrate:      # the format's K recipe, if any, over the context to serve
@@ -184,10 +188,11 @@ def build_engine_core(model, tokenizer, cfg: NibbleConfig, *, device: torch.devi
         secret = inject.secret or load_secret(cfg.cache, storage_on)
         tiers = build_tiers(cfg.hicache, pool, cache, fingerprint, secret, inject.storage,
                             **inject.tier_kw)
-    graphs = build_graph_runner(cfg.device, model, backend, device, context, layout.page_size,
-                                inject.static_decode_path)
-    overlap = inject.overlap if inject.overlap is not None else (
-        device.type == "cuda" and not cfg.scheduler.disable_overlap_schedule)
+    # CUDA graphs and overlap scheduling assume one rank (the TP=2 GPU runs: issue 20)
+    graphs = None if tp.size > 1 else build_graph_runner(
+        cfg.device, model, backend, device, context, layout.page_size, inject.static_decode_path)
+    overlap = tp.size == 1 and (inject.overlap if inject.overlap is not None else (
+        device.type == "cuda" and not cfg.scheduler.disable_overlap_schedule))
     runner = ModelRunner(model, backend, device, graphs)
     runner.grammar = build_grammar(cfg.sampling.grammar_backend, tokenizer, arch.vocab_size)
     return EngineCore(runner, pool, tokenizer, cfg.scheduler, context, cache, tiers,

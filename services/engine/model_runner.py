@@ -12,6 +12,7 @@ from .grammar import GrammarBackend, GrammarError, Matcher
 from .logits_process import StepLogprobs, logprobs_of, process_logits, prompt_logprobs
 from .sampling import make_generator, sample
 from .step_inputs import kv_slots, padded_block_tables, positions_of
+from ..parallel.group import SingleGroup
 from .types import ScheduledBatch, ScheduledSeq, WorkerOutput
 
 
@@ -37,6 +38,7 @@ class ModelRunner:
         self.grammar: GrammarBackend | None = None   # set by the builder (--grammar-backend)
         self._matchers: dict[str, Matcher] = {}
         self._prompt_lps: dict = {}                 # this step's prompt logprobs (execute)
+        self.tp = getattr(model, "tp", None) or SingleGroup()   # the model's TP group
 
     def release(self, request_id: str) -> None:
         """Forget a finished request's RNG and grammar state."""
@@ -61,6 +63,8 @@ class ModelRunner:
         seqs = batch.seqs
         if not seqs:
             return WorkerOutput({})
+        if self.tp.size > 1:       # tensor parallel: the other ranks run the same forward
+            self.tp.broadcast_object(("step", batch, page_size))
         if self.graphs is not None and self.graphs.applies(seqs):
             return self._sample(seqs, self.graphs.run(seqs, page_size))
         picked = [s for s in seqs if s.sample]
@@ -72,6 +76,13 @@ class ModelRunner:
             out = self._sample(picked, self._forward(seqs, page_size, rows=True))
         return dataclasses.replace(out, prompt_logprobs=self._prompt_lps) if self._prompt_lps \
             else out
+
+    @torch.inference_mode()
+    def forward_only(self, batch: ScheduledBatch, page_size: int) -> None:
+        """A tensor-parallel follower's share of ``execute``: the same forward (and the same
+        logits, gathered over the ranks), no sampling: rank 0 samples."""
+        rows = True if any(s.sample for s in batch.seqs) else None
+        self._forward(batch.seqs, page_size, rows=rows)
 
     def _forward(self, seqs: list[ScheduledSeq], page_size: int, rows: bool | None,
                  ids: torch.Tensor | None = None) -> torch.Tensor | None:

@@ -30,7 +30,8 @@ from torch import nn
 from ..errors import ModelLoadError
 from .base import AttentionFn
 from .config import ModelArchConfig
-from .llama import _LAYER_MAP, CausalLM, _param
+from ..parallel.group import TPGroup
+from .llama import _LAYER_MAP, CausalLM, DecoderLayer, _param
 from .rope import RotaryCache, apply_rope
 
 
@@ -73,12 +74,15 @@ class Gemma3DecoderLayer(nn.Module):
         k = gemma_rms_norm(k.view(t, a.num_kv_heads, a.head_dim), self.k_norm, eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         o = attn(self.layer_id, q, k, v.reshape(t, a.num_kv_heads, a.head_dim).contiguous())
-        o = F.linear(o.reshape(t, a.q_size), self.o_weight)
+        o = self.tp_reduce(F.linear(o.reshape(t, a.q_size), self.o_weight))
         x = x + gemma_rms_norm(o, self.post_attn_norm, eps)
         h = gemma_rms_norm(x, self.pre_ffn_norm, eps)
         gate, up = F.linear(h, self.gate_up_weight).chunk(2, dim=-1)
-        h = F.linear(F.gelu(gate, approximate="tanh") * up, self.down_weight)
+        h = self.tp_reduce(F.linear(F.gelu(gate, approximate="tanh") * up, self.down_weight))
         return x + gemma_rms_norm(h, self.post_ffn_norm, eps)
+
+    tp = DecoderLayer.tp                  # tensor parallelism: as in llama.py
+    tp_reduce = DecoderLayer.tp_reduce
 
 
 _GEMMA3_LAYER_MAP = {
@@ -96,10 +100,10 @@ class Gemma3CausalLM(CausalLM):
     layer_map = _GEMMA3_LAYER_MAP
 
     def __init__(self, arch: ModelArchConfig, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", tp: TPGroup | None = None):
         if arch.arch != "gemma3":
             raise ModelLoadError(f"Gemma3CausalLM cannot build a {arch.arch!r} model")
-        super().__init__(arch, dtype, device)
+        super().__init__(arch, dtype, device, tp)
         local = dataclasses.replace(arch, rope_theta=arch.rope_local_theta or arch.rope_theta,
                                     rope_scaling=None)
         self.rope_local = RotaryCache(local)
@@ -112,7 +116,7 @@ class Gemma3CausalLM(CausalLM):
 
         Same contract as :meth:`CausalLM.forward`.
         """
-        x = F.embedding(input_ids, self.embed) * self.embed_scale
+        x = self.embed_tokens(input_ids) * self.embed_scale
         tables = {False: self.rope.lookup(positions, x.dtype)}
         if self.arch.has_sliding_window:
             tables[True] = self.rope_local.lookup(positions, x.dtype)
@@ -127,7 +131,7 @@ class Gemma3CausalLM(CausalLM):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden [N, hidden]`` -> float32 logits ``[N, vocab]``, soft-capped if configured."""
-        logits = F.linear(hidden, self.lm_head).float()
+        logits = self.gather_vocab(F.linear(hidden, self.lm_head).float())
         cap = self.arch.final_logit_softcapping
         if cap:
             logits = torch.tanh(logits / cap) * cap

@@ -28,6 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ModelLoadError
+from ..parallel.group import SingleGroup, TPGroup
+from ..parallel.partition import TPPartition, shard_arch, shard_tensor
 from .base import AttentionFn, QKVInput, fused_attention
 from .config import ModelArchConfig
 from .rope import RotaryCache, apply_rope
@@ -69,10 +71,21 @@ class DecoderLayer(nn.Module):
         t = x.shape[0]
         h = rms_norm(x, self.input_norm, a.rms_norm_eps)
         o = self._attention(F.linear(h, self.qkv_weight, self.qkv_bias), cos, sin, attn)
-        x = x + F.linear(o.reshape(t, a.q_size), self.o_weight, self.o_bias)
+        x = x + self.tp_reduce(F.linear(o.reshape(t, a.q_size), self.o_weight, self.o_bias_0))
         h = rms_norm(x, self.post_norm, a.rms_norm_eps)
         gate, up = F.linear(h, self.gate_up_weight).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, self.down_weight)
+        return x + self.tp_reduce(F.linear(F.silu(gate) * up, self.down_weight))
+
+    # tensor parallelism (services/parallel): row-parallel outputs are summed over the ranks,
+    # and a bias is added by rank 0 only; with one rank both are free
+    tp = SingleGroup()
+
+    def tp_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.tp.size == 1 else self.tp.all_reduce(x)
+
+    @property
+    def o_bias_0(self) -> torch.Tensor | None:
+        return self.o_bias if self.tp.rank == 0 else None
 
     def forward_fused(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
                       sin: torch.Tensor, attn: AttentionFn) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,9 +102,10 @@ class DecoderLayer(nn.Module):
             a.rms_norm_eps))
         if o is None:
             o = self._attention(qkv, cos, sin, attn)
-        o = F.linear(o.reshape(t, a.q_size), self.o_weight, self.o_bias)
+        o = self.tp_reduce(F.linear(o.reshape(t, a.q_size), self.o_weight, self.o_bias_0))
         h, residual = add_rms_norm(o, residual, self.post_norm, a.rms_norm_eps)
-        return F.linear(silu_mul(F.linear(h, self.gate_up_weight)), self.down_weight), residual
+        return self.tp_reduce(F.linear(silu_mul(F.linear(h, self.gate_up_weight)),
+                                       self.down_weight)), residual
 
     def _attention(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    attn: AttentionFn) -> torch.Tensor:
@@ -144,16 +158,26 @@ class CausalLM(nn.Module):
     layer_map: dict[str, tuple[str, int | None]] = _LAYER_MAP
 
     def __init__(self, arch: ModelArchConfig, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", tp: TPGroup | None = None):
         super().__init__()
         device = torch.device(device)
+        self.tp = tp or SingleGroup()
+        self.partition = TPPartition(arch, self.tp.size, self.tp.rank)
+        arch = shard_arch(self.partition)          # this rank's heads and MLP channels
         self.arch, self.dtype = arch, dtype
-        self.embed = _param(arch.vocab_size, arch.hidden_size, dtype=dtype, device=device)
+        rows = self.partition.vocab_per_rank       # the last rank's padding rows stay zero
+        self.embed = _param(rows, arch.hidden_size, dtype=dtype, device=device)
         self.layers = nn.ModuleList(self.layer_cls(arch, i, dtype, device)
                                     for i in range(arch.num_layers))
+        for layer in self.layers:
+            layer.tp = self.tp
         self.norm = _param(arch.hidden_size, dtype=dtype, device=device)
         self.lm_head = (self.embed if arch.tie_word_embeddings
-                        else _param(arch.vocab_size, arch.hidden_size, dtype=dtype, device=device))
+                        else _param(rows, arch.hidden_size, dtype=dtype, device=device))
+        if self.tp.size > 1:
+            with torch.no_grad():
+                self.embed.zero_()
+                self.lm_head.zero_()
         self.rope = RotaryCache(arch)
         self.fused_kernels = False
         self._loaded: set[tuple[str, int | None]] = set()
@@ -180,7 +204,7 @@ class CausalLM(nn.Module):
             ``[T, hidden]`` final-normed hidden states in the model dtype; feed
             the rows to sample from into ``compute_logits``.
         """
-        x = F.embedding(input_ids, self.embed)
+        x = self.embed_tokens(input_ids)
         cos, sin = self.rope.lookup(positions, x.dtype)
         if self.fused_kernels:
             from nibble.kernels.triton.layer_ops import add_rms_norm
@@ -192,9 +216,26 @@ class CausalLM(nn.Module):
             x = layer(x, cos, sin, attn)
         return rms_norm(x, self.norm, self.arch.rms_norm_eps)
 
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``[T]`` ids -> ``[T, hidden]``; over TP, each rank looks up its vocabulary rows
+        (zeros elsewhere) and the ranks sum."""
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.embed)
+        start = self.partition.vocab.start
+        local = input_ids - start
+        mine = (local >= 0) & (local < len(self.partition.vocab))
+        x = F.embedding(local.clamp(0, self.embed.shape[0] - 1), self.embed)
+        return self.tp.all_reduce(x * mine.unsqueeze(1).to(x.dtype))
+
+    def gather_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """Each rank's ``[N, vocab/size]`` logits -> the full ``[N, vocab]`` on every rank."""
+        if self.tp.size == 1:
+            return logits
+        return self.tp.all_gather_last(logits.contiguous())[:, :self.arch.vocab_size]
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden [N, hidden]`` (from ``forward``) -> logits ``[N, vocab]`` float32."""
-        return F.linear(hidden, self.lm_head).float()
+        return self.gather_vocab(F.linear(hidden, self.lm_head).float())
 
     # ----------------------------------------------------------------- loading
 
@@ -215,6 +256,8 @@ class CausalLM(nn.Module):
 
     def _part_slice(self, key: str, part: int | None, size: int) -> slice:
         a = self.arch
+        if key in ("embed", "lm_head"):
+            return slice(0, len(self.partition.vocab))
         if part is None:
             return slice(0, size)
         if key.endswith("gate_up_weight"):
@@ -235,6 +278,7 @@ class CausalLM(nn.Module):
             param, part, key = self._target(name)
             if param is None:
                 continue
+            tensor = shard_tensor(self.partition, key, part, tensor)
             sl = self._part_slice(key, part, param.shape[0])
             dst = param[sl]
             if tuple(dst.shape) != tuple(tensor.shape):

@@ -27,6 +27,7 @@ from ..errors import ModelLoadError
 from .files import read_json
 from . import dummy, gguf_file
 from .config import ModelArchConfig
+from ..parallel.group import TPGroup
 from .gemma3 import Gemma3CausalLM
 from .llama import CausalLM
 from .packaged import NAMED_MODELS
@@ -118,7 +119,7 @@ def load_tokenizer(model_path: str | None, load_format: str = "auto") -> Tokeniz
 
 
 def load_model(model_path: str | None, dtype: torch.dtype, device: torch.device,
-               load_format: str = "auto") -> LoadedModel:
+               load_format: str = "auto", tp: TPGroup | None = None) -> LoadedModel:
     """Load weights, tokenizer and architecture config.
 
     Args:
@@ -129,6 +130,8 @@ def load_model(model_path: str | None, dtype: torch.dtype, device: torch.device,
         device: where the parameters live.
         load_format: "auto" reads the weights; "dummy" draws random ones from a
             HF directory's config.json (see :mod:`.dummy`).
+        tp: a tensor-parallel group: this rank's shard is built, and each checkpoint
+            tensor is sliced as it is read.
     """
     path = resolve_model_path(model_path)
     device = torch.device(device)
@@ -138,14 +141,14 @@ def load_model(model_path: str | None, dtype: torch.dtype, device: torch.device,
             raise ModelLoadError(f"--load-format dummy needs a directory with config.json, "
                                  f"got {path!r}")
         arch = ModelArchConfig.from_hf_config(read_json(os.path.join(path, "config.json")))
-        model = new_model(arch, dtype, device)
+        model = new_model(arch, dtype, device, tp)
         tok = dummy.load_dummy(path, model, arch)
         name = os.path.basename(os.path.normpath(path))
     elif os.path.isfile(path) and path.lower().endswith(".gguf"):
-        model, arch, tok = _load_gguf(path, dtype, device)
+        model, arch, tok = _load_gguf(path, dtype, device, tp)
         name = _QUANT_SUFFIX.sub("", os.path.basename(path)[: -len(".gguf")])
     elif os.path.isdir(path):
-        model, arch, tok = _load_hf_dir(path, dtype, device)
+        model, arch, tok = _load_hf_dir(path, dtype, device, tp)
         name = os.path.basename(os.path.normpath(path))
     else:
         raise ModelLoadError(f"model path {path!r} is neither a directory nor a .gguf file")
@@ -155,26 +158,28 @@ def load_model(model_path: str | None, dtype: torch.dtype, device: torch.device,
     return loaded
 
 
-def new_model(arch: ModelArchConfig, dtype: torch.dtype, device: torch.device) -> CausalLM:
-    """An unloaded model of ``arch``'s family (``Gemma3CausalLM`` for gemma3, else ``CausalLM``)."""
+def new_model(arch: ModelArchConfig, dtype: torch.dtype, device: torch.device,
+              tp: TPGroup | None = None) -> CausalLM:
+    """An unloaded model of ``arch``'s family (``Gemma3CausalLM`` for gemma3, else
+    ``CausalLM``); with ``tp``, this rank's shard (services/parallel)."""
     cls = Gemma3CausalLM if arch.arch == "gemma3" else CausalLM
-    return cls(arch, dtype, device)
+    return cls(arch, dtype, device, tp)
 
 
-def _load_gguf(path: str, dtype: torch.dtype, device: torch.device):
+def _load_gguf(path: str, dtype: torch.dtype, device: torch.device, tp: TPGroup | None):
     f = gguf_file.GGUFFile(path)
     names = {t.name for t in f.tensors}
     arch = ModelArchConfig.from_gguf_metadata(f.metadata, names)
     if gguf_file.ROPE_FREQS in names:
         arch = dataclasses.replace(arch, rope_scaling={
             "rope_type": "freq_factors", "factors": gguf_file.rope_freq_factors(f)})
-    model = new_model(arch, dtype, device)
+    model = new_model(arch, dtype, device, tp)
     model.load_weights(gguf_file.iter_weights(f, arch.arch, arch.num_heads, arch.num_kv_heads))
     model.finish_loading()
     return model, arch, Tokenizer.from_gguf_metadata(f.metadata, arch.eos_token_ids)
 
 
-def _load_hf_dir(path: str, dtype: torch.dtype, device: torch.device):
+def _load_hf_dir(path: str, dtype: torch.dtype, device: torch.device, tp: TPGroup | None):
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         raise ModelLoadError(f"{path} has no config.json")
@@ -182,7 +187,7 @@ def _load_hf_dir(path: str, dtype: torch.dtype, device: torch.device):
     gen_eos = gen.get("eos_token_id")
     extra_eos = [] if gen_eos is None else gen_eos if isinstance(gen_eos, list) else [gen_eos]
     arch = ModelArchConfig.from_hf_config(read_json(cfg_path), extra_eos)
-    model = new_model(arch, dtype, device)
+    model = new_model(arch, dtype, device, tp)
     model.load_weights(_iter_safetensors(path))
     model.finish_loading()
     return model, arch, Tokenizer.from_hf_dir(path, arch.eos_token_ids)

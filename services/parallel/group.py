@@ -1,0 +1,67 @@
+"""A tensor-parallel group: the collectives a sharded model and its engine need.
+
+``SingleGroup`` (one rank: every call returns its input) keeps the TP=1 path free
+of collectives; ``TorchGroup`` wraps a ``torch.distributed`` process group (gloo on
+CPU, NCCL on GPU, one device per rank).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class TPGroup:
+    """``rank`` of ``size``; rank 0 schedules, every rank computes its shard."""
+
+    rank: int = 0
+    size: int = 1
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of ``x`` over the ranks (in place where the backend allows)."""
+        return x
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [N, w]`` of every rank (equal ``w``) joined along the last dim: ``[N, size*w]``."""
+        return x
+
+    def broadcast_object(self, obj: Any = None) -> Any:
+        """Rank 0's ``obj`` on every rank (pickled; for a step's batch, not for tensors)."""
+        return obj
+
+    def all_min(self, value: int) -> int:
+        """The smallest ``value`` over the ranks (pool sizes, so every rank has the same pages)."""
+        return value
+
+
+class SingleGroup(TPGroup):
+    """TP size 1."""
+
+
+class TorchGroup(TPGroup):
+    """Ranks of the default ``torch.distributed`` process group (initialized by the caller)."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+        self._dist = dist
+        self.rank, self.size = dist.get_rank(), dist.get_world_size()
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        self._dist.all_reduce(x)
+        return x
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        self._dist.all_gather(parts, x.contiguous())
+        return torch.cat(parts, dim=-1)
+
+    def broadcast_object(self, obj: Any = None) -> Any:
+        box = [obj]
+        self._dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def all_min(self, value: int) -> int:
+        t = torch.tensor([value], dtype=torch.int64)
+        self._dist.all_reduce(t, op=self._dist.ReduceOp.MIN)
+        return int(t.item())

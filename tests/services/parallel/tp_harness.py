@@ -1,0 +1,155 @@
+"""Runs one engine scenario at TP=1 in-process and at TP=n over gloo in n spawned processes,
+returning the logits every step sampled from (rank 0's; the followers only compute)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import traceback
+
+import torch
+
+from nibble.services.engine.types import GenerateRequest, SamplingParams
+from nibble.services.models.config import ModelArchConfig
+from nibble.services.models.loader import new_model
+from nibble.services.parallel.group import TorchGroup
+from nibble.services.parallel.follower import follow, stop_followers
+
+from ..engine.conftest import CharTokenizer, engine_config
+from ..engine.conftest import tiny_arch as engine_tiny_arch
+
+from nibble.services.engine.builder import Injected, build_engine_core
+
+PROMPT = [(7 * i + 3) % 90 + 1 for i in range(70)]
+
+
+def arch_of(name: str, **kw) -> ModelArchConfig:
+    """Tiny random architectures of every family (head counts that split over 2 ranks
+    unevenly where ``kw`` says so)."""
+    extra = {"gemma3": dict(attention_bias=False, qk_norm=True, tie_word_embeddings=True,
+                            query_pre_attn_scalar=16, final_logit_softcapping=30.0,
+                            sliding_windows=(8, None), rope_local_theta=10000.0)}
+    return engine_tiny_arch(name, **{**extra.get(name, {}), **kw})
+
+
+def hf_weights(arch: ModelArchConfig, seed: int = 0):
+    """Random checkpoint tensors under HF names for ``arch`` (the same for every rank)."""
+    full = new_model(arch, torch.float32, torch.device("cpu"))
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    norm_base = 0.0 if arch.arch == "gemma3" else 1.0
+    for i, layer in enumerate(full.layers):
+        for hf, (attr, part) in type(full).layer_map.items():
+            param = getattr(layer, attr, None)
+            if param is None:
+                continue
+            rows = param[full._part_slice(f"layers.{i}.{attr}", part, param.shape[0])]
+            value = (torch.full(rows.shape, norm_base) + 0.05 * torch.randn(rows.shape, generator=g)
+                     if "norm" in attr else 0.15 * torch.randn(rows.shape, generator=g))
+            out[f"model.layers.{i}.{hf}"] = value
+    out["model.embed_tokens.weight"] = torch.randn(arch.vocab_size, arch.hidden_size, generator=g)
+    out["model.norm.weight"] = torch.full((arch.hidden_size,), norm_base)
+    if not arch.tie_word_embeddings:
+        out["lm_head.weight"] = 0.15 * torch.randn(arch.vocab_size, arch.hidden_size, generator=g)
+    return out
+
+
+def scenario(eng) -> list[torch.Tensor]:
+    """Prefill in chunks, an extend over a cached prefix, decode: every sampled row's logits."""
+    seen = []
+    orig = eng.runner._sample
+    eng.runner._sample = lambda picked, logits: (seen.append(logits.clone()), orig(picked, logits))[1]
+    sp = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    eng.add_request(GenerateRequest("a", PROMPT[:40], sp))
+    while eng.has_unfinished():
+        eng.step()
+    eng.add_request(GenerateRequest("b", PROMPT[:40] + PROMPT[50:62], sp))   # extend
+    eng.add_request(GenerateRequest("c", PROMPT[5:25], sp))
+    while eng.has_unfinished():
+        eng.step()
+    return seen
+
+
+def dense_logits(model) -> list[torch.Tensor]:
+    """The model alone, no paged cache: causal fp32 attention over PROMPT[:40], the logits of
+    every position (checks the sharding math exactly)."""
+    scale = model.arch.sm_scale
+
+    def attn(layer_id, q, k, v):
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True,
+            scale=scale, enable_gqa=True)
+        return o.transpose(0, 1)
+    ids = torch.tensor(PROMPT[:40])
+    with torch.inference_mode():
+        return [model.compute_logits(model(ids, torch.arange(40), attn))]
+
+
+class TextTokenizer(CharTokenizer):
+    """CharTokenizer plus ``encode``, for the K recipe's calibration text."""
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [ord(c) % 90 + 1 for c in text]
+
+
+def build(arch: ModelArchConfig, kv: str, tp=None):
+    model = new_model(arch, torch.float32, torch.device("cpu"), tp)
+    model.load_weights(hf_weights(arch).items())
+    model.finish_loading()
+    if kv == "dense":
+        return model
+    cfg = engine_config(kv, num_pages=64, page_size=16, chunked_prefill_size=16)
+    # each rank calibrates the K recipe on its own KV heads (in step: the forwards collect)
+    return build_engine_core(model, TextTokenizer(), cfg,
+                             inject=Injected(calibrate=kv != "bf16", use_l1_tiers=False))
+
+
+def run_rank(rank: int, size: int, port: int, arch: ModelArchConfig, kv: str, queue) -> None:
+    """One rank of the TP group (a spawned process)."""
+    import torch.distributed as dist
+    try:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=size)
+        torch.manual_seed(0)
+        tp = TorchGroup()
+        eng = build(arch, kv, tp)
+        if kv == "dense":
+            got = dense_logits(eng)
+            if rank == 0:
+                queue.put(("ok", [t.tolist() for t in got]))
+        elif rank == 0:
+            got = scenario(eng)
+            stop_followers(tp)
+            queue.put(("ok", [t.tolist() for t in got]))
+        else:
+            follow(eng.runner, tp)
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - reported to the parent test
+        queue.put(("error", f"rank {rank}: {traceback.format_exc()}"))
+
+
+def tp_logits(arch: ModelArchConfig, kv: str, size: int, port: int) -> list[torch.Tensor]:
+    import torch.multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=run_rank, args=(r, size, port, arch, kv, queue))
+             for r in range(size)]
+    for p in procs:
+        p.start()
+    status, payload = queue.get(timeout=300)
+    for p in procs:
+        p.join(timeout=60)
+        if p.is_alive():
+            p.kill()
+    if status != "ok":
+        raise AssertionError(payload)
+    return [torch.tensor(t) for t in payload]
+
+
+def single_logits(arch: ModelArchConfig, kv: str) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    built = build(arch, kv)
+    return dense_logits(built) if kv == "dense" else scenario(built)
+
+
+__all__ = ["arch_of", "tp_logits", "single_logits", "dataclasses"]
