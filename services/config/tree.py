@@ -226,6 +226,11 @@ class DeviceConfig:
                     "layer) instead of the fused Triton kernels (residual add + RMSNorm, "
                     "QK-norm + RoPE + K recipe + KV store, SiLU-and-mul; 10 per decode layer), "
                     "for A/B runs")
+    tp_size: int = flag(
+        1, aliases=("--tensor-parallel-size",),
+        help="tensor parallelism: split the model over this many ranks (one process each; "
+             "rank 0 schedules, the others run its steps on their shard of the weights and "
+             "KV heads). CPU (gloo) in this version")
 
 
 @dataclass(frozen=True)

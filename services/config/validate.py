@@ -46,6 +46,7 @@ def validate(cfg: NibbleConfig) -> None:
         raise ConfigError(f"--grpc-port must be in 1..65535 and differ from --port, got {g}")
     _validate_kv_format(cfg)
     _validate_security(cfg)
+    _validate_tp(cfg)
 
 
 def _validate_kv_format(cfg: NibbleConfig) -> None:
@@ -78,3 +79,21 @@ def _validate_security(cfg: NibbleConfig) -> None:
     if h.hicache_storage_password_file and h.hicache_storage_backend != "redis":
         raise ConfigError("--hicache-storage-password-file is for --hicache-storage-backend "
                           "redis")
+
+
+def _validate_tp(cfg: NibbleConfig) -> None:
+    """What tensor parallelism supports in this version (the rest is refused by name)."""
+    n = cfg.device.tp_size
+    if n < 1:
+        raise ConfigError(f"--tp-size must be >= 1, got {n}")
+    if n == 1:
+        return
+    if cfg.device.device == "cuda":
+        raise ConfigError("--tp-size > 1 runs on CPU (gloo) in this version; the CUDA group "
+                          "(NCCL, one GPU per rank) is not built yet: use --device cpu")
+    if cfg.disagg.disaggregate:
+        raise ConfigError("--tp-size > 1 with --disaggregate is not supported yet (per-rank "
+                          "page transfer between worker groups)")
+    if cfg.hicache.enable_hierarchical_cache:
+        raise ConfigError("--tp-size > 1 with --enable-hierarchical-cache is not supported "
+                          "yet (L2/L3 page records per rank)")

@@ -27,6 +27,7 @@ from .builder import EngineParts, build_parts
 from .client import EngineStats
 from .engine import EngineCore
 from .faults import describe, is_device_fault
+from ..parallel.follower import stop_followers
 from .types import FinishReason, GenerateRequest, RequestOutput, TokenLogprob, Usage
 
 log = logging.getLogger(__name__)
@@ -246,6 +247,8 @@ class AsyncEngine:
         for out in self.core.fail_all("server shutting down"):
             self._deliver(out)
         self.core.kv.close()
+        if self._dead is None:
+            stop_followers(self.core.runner.tp)     # tensor parallel: the other ranks end
 
     def _die(self, exc: BaseException) -> None:
         """A device fault: fail every request and stop serving (engine thread)."""

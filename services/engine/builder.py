@@ -219,7 +219,14 @@ def build_parts(cfg: NibbleConfig) -> EngineParts:
 
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.model.dtype, device)
-    loaded = load_model(cfg.model.model_path, dtype, device, cfg.model.load_format)
+    tp = None
+    if cfg.device.tp_size > 1:
+        if device.type != "cpu":
+            raise ConfigError("--tp-size > 1 runs on CPU (gloo) in this version: add "
+                              "--device cpu")
+        from ..parallel.launch import start_group
+        tp, _ = start_group(cfg)       # the followers are daemons: they end with this process
+    loaded = load_model(cfg.model.model_path, dtype, device, cfg.model.load_format, tp=tp)
     core = build_engine_core(loaded.model, loaded.tokenizer, cfg, device=device,
                              fingerprint=loaded.fingerprint)
     backend_name = core.runner.backend.name

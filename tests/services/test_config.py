@@ -128,7 +128,8 @@ def test_sglang_aliases():
     assert flag_aliases() == {
         "--hicache-storage-prefetch-policy": "--hicache-prefetch-policy",
         "--disaggregation-mode": "--disaggregate",
-        "--disaggregation-transfer-backend": "--kv-transport"}
+        "--disaggregation-transfer-backend": "--kv-transport",
+        "--tensor-parallel-size": "--tp-size"}
     h = serve_parser().format_help()
     assert all(alias in h for alias in flag_aliases())
     assert parse("--hicache-storage-prefetch-policy", "timeout").hicache.hicache_prefetch_policy \
@@ -139,6 +140,7 @@ def test_sglang_aliases():
     assert parse("--disaggregate", "--disaggregation-mode", "decode").disagg.disaggregate
     assert parse("--disaggregation-transfer-backend", "nixl").disagg.kv_transport == "nixl"
     assert parse("--disaggregation-transfer-backend", "grpc").disagg.kv_transport == "grpc"
+    assert parse("--tensor-parallel-size", "2", "--device", "cpu").device.tp_size == 2
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -210,3 +212,14 @@ def test_full_command_line_round_trip(tmp_path):
                      allow_unauthenticated=True, graceful_shutdown_timeout=5.0,
                      max_request_body_bytes=4096))
     assert parse(*argv, env={"NIBBLE_API_KEY": "sk-env-key-00001"}) == want
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--tp-size", "0"], "--tp-size must be >= 1"),
+    (["--tp-size", "2", "--device", "cuda"], "runs on CPU"),
+    (["--tp-size", "2", "--disaggregate"], "--disaggregate is not supported yet"),
+    (["--tp-size", "2", "--enable-hierarchical-cache"], "page records per rank"),
+])
+def test_tensor_parallel_limits_are_refused_by_name(args, needle):
+    with pytest.raises(ConfigError, match=needle):
+        parse(*args)

@@ -1,0 +1,73 @@
+"""Starting a tensor-parallel group on one machine: ranks 1..n-1 as local processes.
+
+``start_group(cfg)`` (in the server's process, rank 0) spawns the followers, joins the
+gloo group with them and returns it; each follower loads its shard of the same model,
+builds the same engine (its pool holds its KV heads; calibration runs in step with
+rank 0, since the model's forwards collect) and runs rank 0's steps until told to stop
+(follower.py). A follower whose parent is gone exits: it cannot be left waiting in a
+collective. Ray placement groups for multi-node groups are not built yet.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+import threading
+import time
+
+from .follower import follow
+from .group import TorchGroup
+
+log = logging.getLogger(__name__)
+# a follower waits in a collective for rank 0's next step, however long the server idles
+IDLE_TIMEOUT = datetime.timedelta(days=7)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _join(rank: int, size: int, port: int) -> TorchGroup:
+    import torch.distributed as dist
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=size, timeout=IDLE_TIMEOUT)
+    return TorchGroup()
+
+
+def _exit_with_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(1)
+
+
+def _follower_main(rank: int, size: int, port: int, cfg, parent: int) -> None:
+    from ..engine.builder import build_engine_core, resolve_device, resolve_dtype
+    from ..models.loader import load_model
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(levelname)s "
+                                                   "%(name)s: %(message)s")
+    threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
+    tp = _join(rank, size, port)
+    device = resolve_device(cfg.device)
+    loaded = load_model(cfg.model.model_path, resolve_dtype(cfg.model.dtype, device), device,
+                        cfg.model.load_format, tp=tp)
+    core = build_engine_core(loaded.model, loaded.tokenizer, cfg, device=device,
+                             fingerprint=loaded.fingerprint)
+    follow(core.runner, tp)
+
+
+def start_group(cfg) -> tuple[TorchGroup, list]:
+    """Rank 0's group of ``cfg.device.tp_size`` ranks (this process and its followers)."""
+    import torch.multiprocessing as mp
+    size, port = cfg.device.tp_size, _free_port()
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_follower_main, args=(r, size, port, cfg, os.getpid()),
+                         daemon=True, name=f"nibble-tp-rank{r}") for r in range(1, size)]
+    for p in procs:
+        p.start()
+    log.info("tensor parallel: %d ranks on this machine (followers: pids %s)", size,
+             [p.pid for p in procs])
+    return _join(0, size, port), procs

