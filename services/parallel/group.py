@@ -7,9 +7,23 @@ CPU, NCCL on GPU, one device per rank).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
+
+from ..errors import DeviceFaultError
+
+
+@contextlib.contextmanager
+def _group_alive(what: str):
+    """A collective that fails means a rank is gone (its process died, its connection
+    dropped): the whole group is unusable, like a broken device (the server exits 1 and its
+    supervisor restarts the group)."""
+    try:
+        yield
+    except RuntimeError as exc:
+        raise DeviceFaultError(f"tensor-parallel group lost a rank during {what}: {exc}") from exc
 
 
 class TPGroup:
@@ -48,20 +62,24 @@ class TorchGroup(TPGroup):
         self.rank, self.size = dist.get_rank(), dist.get_world_size()
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        self._dist.all_reduce(x)
+        with _group_alive("all_reduce"):
+            self._dist.all_reduce(x)
         return x
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         parts = [torch.empty_like(x) for _ in range(self.size)]
-        self._dist.all_gather(parts, x.contiguous())
+        with _group_alive("all_gather"):
+            self._dist.all_gather(parts, x.contiguous())
         return torch.cat(parts, dim=-1)
 
     def broadcast_object(self, obj: Any = None) -> Any:
         box = [obj]
-        self._dist.broadcast_object_list(box, src=0)
+        with _group_alive("broadcast"):
+            self._dist.broadcast_object_list(box, src=0)
         return box[0]
 
     def all_min(self, value: int) -> int:
         t = torch.tensor([value], dtype=torch.int64)
-        self._dist.all_reduce(t, op=self._dist.ReduceOp.MIN)
+        with _group_alive("all_reduce"):
+            self._dist.all_reduce(t, op=self._dist.ReduceOp.MIN)
         return int(t.item())

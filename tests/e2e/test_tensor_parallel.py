@@ -51,3 +51,20 @@ def test_tp2_serves_the_default_model_and_stops_its_ranks(tmp_path_factory):
         time.sleep(0.2)
     assert not [p for p in followers if os.path.exists(f"/proc/{p}/stat")
                 and open(f"/proc/{p}/stat").read().split()[2] != "Z"], "a rank outlived the server"
+
+
+def test_a_dead_rank_takes_the_group_down(tmp_path_factory):
+    """A follower killed mid-service: the next request fails with a clear error and the
+    server exits 1 (a device fault), for its supervisor to restart the whole group."""
+    import httpx
+    args = ["--tp-size", "2", "--device", "cpu", "--max-total-tokens", "2048",
+            "--context-length", "2048", "--kv-cache-dtype", "bf16"]
+    with running_server(tmp_path_factory, "tp2-fault", args) as srv:
+        followers = [p for p in _children(srv.proc.pid)
+                     if "spawn_main" in open(f"/proc/{p}/cmdline").read()]
+        assert len(followers) == 1
+        os.kill(followers[0], 9)
+        r = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "Hello", "max_tokens": 4},
+                       timeout=60)
+        assert r.status_code >= 500 and "lost a rank" in r.text, r.text
+        assert srv.proc.wait(timeout=60) == 1
