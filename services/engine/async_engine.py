@@ -147,11 +147,17 @@ class AsyncEngine:
 
     async def server_info(self) -> dict:
         pool = self.core.pool
+        capacity = pool.capacity().as_dict()
+        tp = getattr(self.core, "tp_info", None)
+        if tp is not None:        # the group's bytes, not rank 0's share
+            capacity.update(bytes_per_token=tp["group_bytes_per_token"],
+                            pool_bytes=tp["group_pool_bytes"])
         return {
             "model": self.model_name,
             "config": redacted_config(self.cfg),
             "context_length": self.context_length,
-            "capacity": pool.capacity().as_dict(),
+            "capacity": capacity,
+            "tensor_parallel": tp or {"size": 1},
             "kv_bytes_per_token": self.parts.bytes_per_token_by_format,
             "kv_pool": {"total_pages": pool.num_pages, "free_pages": pool.allocator.num_free,
                         "page_size": pool.layout.page_size},

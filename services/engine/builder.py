@@ -195,8 +195,14 @@ def build_engine_core(model, tokenizer, cfg: NibbleConfig, *, device: torch.devi
         device.type == "cuda" and not cfg.scheduler.disable_overlap_schedule))
     runner = ModelRunner(model, backend, device, graphs)
     runner.grammar = build_grammar(cfg.sampling.grammar_backend, tokenizer, arch.vocab_size)
-    return EngineCore(runner, pool, tokenizer, cfg.scheduler, context, cache, tiers,
+    core = EngineCore(runner, pool, tokenizer, cfg.scheduler, context, cache, tiers,
                       overlap=overlap)
+    if tp.size > 1:           # what the whole group holds (each rank: its own KV heads)
+        page_bytes = sum(tp.gather_ints(layout.page_nbytes))
+        core.tp_info = {"size": tp.size, "kv_heads_per_rank": tp.gather_ints(arch.num_kv_heads),
+                        "group_bytes_per_token": page_bytes / layout.page_size,
+                        "group_pool_bytes": page_bytes * num_pages}
+    return core
 
 
 def build_grammar(name: str, tokenizer, vocab_size: int) -> GrammarBackend | None:

@@ -93,6 +93,7 @@ class EngineCore:
         self.num_prompt_tokens_computed = 0   # prompt tokens run through the model (not reused)
         # Overlap scheduling (services/engine/overlap.py): step N+1 planned while N runs.
         self.overlap = OverlapStepper(self) if overlap else None
+        self.tp_info: dict | None = None      # tensor parallel: the group's capacity (builder)
 
     @property
     def max_request_tokens(self) -> int:

@@ -48,6 +48,10 @@ class TPGroup:
         """The smallest ``value`` over the ranks (pool sizes, so every rank has the same pages)."""
         return value
 
+    def gather_ints(self, value: int) -> list[int]:
+        """Every rank's ``value``, by rank (the group's capacity)."""
+        return [value]
+
 
 class SingleGroup(TPGroup):
     """TP size 1."""
@@ -83,3 +87,9 @@ class TorchGroup(TPGroup):
         with _group_alive("all_reduce"):
             self._dist.all_reduce(t, op=self._dist.ReduceOp.MIN)
         return int(t.item())
+
+    def gather_ints(self, value: int) -> list[int]:
+        parts = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
+        with _group_alive("all_gather"):
+            self._dist.all_gather(parts, torch.tensor([value], dtype=torch.int64))
+        return [int(p.item()) for p in parts]

@@ -44,6 +44,14 @@ def test_tp2_serves_the_default_model_and_stops_its_ranks(tmp_path_factory):
             max_tokens=8, temperature=0, stream=True)
         assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
         assert "tensor-parallel rank 1 of 2 following rank 0" in srv.log_tail(200000)
+        info = srv.info()
+        tp = info["tensor_parallel"]
+        assert tp["size"] == 2 and tp["kv_heads_per_rank"] == [1, 2]
+        # the group's KV bytes (all 3 heads: the full model's NVFP4 bytes per token), where
+        # rank 0's pool holds one head
+        cap = info["capacity"]
+        assert cap["bytes_per_token"] == info["kv_bytes_per_token"]["nvfp4"]
+        assert cap["pool_bytes"] == cap["num_pages"] * cap["page_size"] * cap["bytes_per_token"]
         followers = [p for p in _children(srv.proc.pid) if p != srv.proc.pid]
         assert followers
     deadline = time.monotonic() + 20
