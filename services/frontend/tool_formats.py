@@ -78,18 +78,14 @@ def _loads(text: str) -> Any:
         return None
 
 
-class _TaggedStream(ToolStream):
-    """Content, with calls as ``begin {json} end`` blocks anywhere in it (hermes)."""
+class _JsonCallsStream(ToolStream):
+    """The text so far, how far it is emitted, and the JSON call being written; ``_advance``
+    turns new text into events (``final``: the output ended)."""
 
-    def __init__(self, parser: "HermesParser"):
+    def __init__(self, parser: ToolParser):
         self.p = parser
         self.buf, self.pos = "", 0        # all text; what is emitted (or consumed) before pos
         self.call: _CallEmitter | None = None
-        self.calls = 0
-
-    @property
-    def called(self) -> bool:
-        return self.calls > 0
 
     def feed(self, text: str) -> StreamEvents:
         self.buf += text
@@ -97,6 +93,13 @@ class _TaggedStream(ToolStream):
 
     def finish(self) -> StreamEvents:
         return self._advance(final=True)
+
+    def _advance(self, final: bool) -> StreamEvents:
+        raise NotImplementedError
+
+
+class _TaggedStream(_JsonCallsStream):
+    """Content, with calls as ``begin {json} end`` blocks anywhere in it (hermes)."""
 
     def _advance(self, final: bool) -> StreamEvents:
         ev, begin, end = StreamEvents(), self.p.begin, self.p.end
@@ -182,28 +185,15 @@ def _tags_with_separator(tags: list[dict], separator: str, parallel: bool) -> st
         "at_least_one": True, "stop_after_first": not parallel}})
 
 
-class _JsonListStream(ToolStream):
+class _JsonListStream(_JsonCallsStream):
     """Calls as the whole output: ``[<|python_tag|>] {json} [; {json}]...`` (llama3_json).
     An output that does not start with ``{`` (or the tag) is content throughout."""
 
     TAG = "<|python_tag|>"
 
-    def __init__(self, parser: "Llama3JsonParser"):
-        self.p, self.buf, self.pos = parser, "", 0
+    def __init__(self, parser: ToolParser):
+        super().__init__(parser)
         self.mode = "start"              # start | calls | content
-        self.call: _CallEmitter | None = None
-        self.calls = 0
-
-    @property
-    def called(self) -> bool:
-        return self.calls > 0
-
-    def feed(self, text: str) -> StreamEvents:
-        self.buf += text
-        return self._advance(final=False)
-
-    def finish(self) -> StreamEvents:
-        return self._advance(final=True)
 
     def _advance(self, final: bool) -> StreamEvents:
         ev = StreamEvents()

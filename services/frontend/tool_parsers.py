@@ -108,6 +108,8 @@ def call_from_object(obj: Any, names: frozenset[str], arg_keys: tuple[str, ...]
 class ToolStream:
     """Streaming state of one output; ``feed`` per token text, ``finish`` at the end."""
 
+    calls = 0                            # calls emitted so far
+
     def feed(self, text: str) -> StreamEvents:
         raise NotImplementedError
 
@@ -116,8 +118,8 @@ class ToolStream:
 
     @property
     def called(self) -> bool:
-        """Whether any tool-call delta was emitted (the finish reason becomes tool_calls)."""
-        raise NotImplementedError
+        """Whether any tool call was emitted (the finish reason becomes tool_calls)."""
+        return self.calls > 0
 
 
 class ToolParser:

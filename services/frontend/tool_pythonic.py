@@ -60,11 +60,6 @@ class _ListStream(ToolStream):
     def __init__(self, parser: "PythonicParser"):
         self.p, self.buf = parser, ""
         self.holding: bool | None = None     # None until the first non-space character
-        self.calls = 0
-
-    @property
-    def called(self) -> bool:
-        return self.calls > 0
 
     def feed(self, text: str) -> StreamEvents:
         self.buf += text
