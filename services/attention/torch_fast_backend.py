@@ -21,6 +21,12 @@ Values are the reference's: the dequantized K/V are bit-identical, the attention
 output equal within fp32 rounding (a different SDPA call shape and padding).
 Formats outside ``paged_fast.FAST_ELEMENTS`` (the rotated-K research formats)
 decode through the reference path.
+
+Plain NVFP4 K and V (``nvfp4`` and its calibrated recipes) with an fp32 model go one step
+further on a pure decode step where the C kernel builds (``kernels/cpu``): each layer is one
+C call doing the recipe, the store and the attention (and RoPE, through
+:meth:`forward_fused`, which the model tries first), with no workspace at all.
+``NIBBLE_CPU_KERNELS=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -28,9 +34,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from nibble.kernels import cpu as cpu_kernels
 from nibble.kernels.paged_fast import (dequantize_pages, dequantize_rows, dequantize_stored,
                                        split_slots, store_kv_fast, supports_layout)
 
+from ..models.base import QKVInput
 from .base import AttentionMetadata, fresh_kv, register_backend
 from .torch_backend import TorchAttentionBackend, _first_visible
 
@@ -49,9 +57,23 @@ class FastTorchAttentionBackend(TorchAttentionBackend):
         self._chunk: tuple[range, torch.Tensor] | None = None
         self._stored = None         # what the last store returned (plain NVFP4 codes, scales)
         self._scratch: dict = {}    # the workspace's memory, kept from step to step
+        self.native = (self.pool.device.type == "cpu" and not self.fp8_fresh
+                       and cpu_kernels.supports_layout(self.layout) and cpu_kernels.available())
+        self._nd: dict | None = None                  # the native decode step's plan
+        self._sections = [cpu_kernels.section_offsets(self.layout, i)
+                          for i in range(self.layout.num_layers)] if self.native else []
+        self._native_recipe: tuple = (None, [])       # (params, per-layer tensors)
 
     def plan(self, meta: AttentionMetadata) -> None:
-        self._fd = self._chunk = None
+        self._fd = self._chunk = self._nd = None
+        if self.native and meta.decode and len(meta.decode) == len(meta.seq_starts):
+            self._plan_native(meta)
+            return
+        self.plan_torch(meta)
+
+    def plan_torch(self, meta: AttentionMetadata) -> None:
+        """The torch decode's plan (see the module docstring)."""
+        self._nd = None
         if not self.fast or not meta.decode:
             super().plan(meta)
             return
@@ -79,8 +101,66 @@ class FastTorchAttentionBackend(TorchAttentionBackend):
             slots=split_slots(self.layout, self.pool.layer(0), meta.slot_mapping.to(dev))
             if pure else None)
 
+    def _plan_native(self, meta: AttentionMetadata) -> None:
+        """A pure decode step for the C kernel: page ids ``[B, M]``, slots, and per window the
+        first visible position of each sequence (``lo``; the last, ``hi``, is its new row)."""
+        ps = self.layout.page_size
+        hi = torch.tensor(meta.cached_lens, dtype=torch.long)
+        m = int(hi.max()) // ps + 1
+        slots = split_slots(self.layout, self.pool.layer(0), meta.slot_mapping.cpu())
+        lo = {w: torch.tensor([_first_visible(c, w) for c in meta.cached_lens], dtype=torch.long)
+              for w in set(self.sliding_windows) or {None}}
+        self._nd = dict(meta=meta, hi=hi, lo=lo, page_ids=meta.block_tables[:, :m].long()
+                        .contiguous(), slots=(slots[0] * ps + slots[1]).contiguous(),
+                        scales=self.pool.global_scales.tolist(), recipe=self._recipe_tensors())
+        self._dec = {}
+
+    def _recipe_tensors(self) -> list[dict | None]:
+        """Per layer, the pool's recipe parameters as the C kernel takes them (None: none,
+        or not calibrated: identity)."""
+        p = getattr(self.pool, "recipe_params", None)
+        if p is None or not p.digest:
+            return [None] * self.layout.num_layers
+        if self._native_recipe[0] is not p:
+            f32 = lambda t: None if t is None else t.to(torch.float32).contiguous()  # noqa: E731
+            per = [dict(k_map=f32(p.k_map[i]) if p.k_map is not None else None,
+                        k_bias=f32(p.k_bias[i, :, 0]) if p.k_map is not None else None,
+                        k_shift=f32(p.k_shift[i]) if p.k_map is None else None,
+                        q_map=f32(p.q_map[i]) if p.q_map is not None else None,
+                        v_shift=f32(p.v_shift[i]) if p.v_shift is not None else None)
+                   for i in range(self.layout.num_layers)]
+            self._native_recipe = (p, per)
+        return self._native_recipe[1]
+
+    def _native(self, layer: int, q, k, v, rope=None) -> torch.Tensor:
+        nd = self._nd
+        ks, vs = nd["scales"][layer]
+        return cpu_kernels.decode_nvfp4_cpu(
+            self.layout, self.pool.pages, layer, q, k, v, nd["slots"], nd["page_ids"],
+            nd["lo"][self.window(layer)], nd["hi"], ks, vs, self.sm_scale,
+            nd["recipe"][layer], rope, self._sections[layer])
+
+    def forward_fused(self, layer: int, inp: QKVInput, meta: AttentionMetadata
+                      ) -> torch.Tensor | None:
+        """A pure decode step's attention straight from the QKV output (RoPE in the C call);
+        None where the C kernel does not take this step (QK-norm, a non-fp32 model)."""
+        nd, qkv = self._nd, inp.qkv
+        if nd is None or meta is not nd["meta"] or inp.q_norm is not None or \
+                qkv.dtype != torch.float32 or not qkv.is_contiguous():
+            return None
+        t, hq, h, d = qkv.shape[0], inp.num_heads, inp.num_kv_heads, inp.head_dim
+        q, k, v = (x.unflatten(1, (-1, d)) for x in qkv.split([hq * d, h * d, h * d], 1))
+        return self._native(layer, q, k, v, (inp.cos, inp.sin))
+
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
+        nd = self._nd
+        if nd is not None and meta is nd["meta"] and q.dtype == torch.float32:
+            f32 = lambda x: x if x.dtype == torch.float32 and x.stride(-1) == 1 and \
+                x.stride(-2) == x.shape[-1] else x.float().contiguous()  # noqa: E731
+            return self._native(layer, q, f32(k), f32(v))
+        if nd is not None:          # the C kernel declined: plan the torch decode now
+            self.plan_torch(meta)
         fd = self._fd
         if fd is None or not fd["pure"] or meta is not fd["meta"]:
             return super().forward(layer, q, k, v, meta)
