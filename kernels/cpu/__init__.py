@@ -6,8 +6,8 @@
 Importing this package builds nothing; :func:`available` builds (or loads) the library.
 """
 
-from .decode import (RECIPE_KEYS, available, decode_nvfp4_cpu, decode_nvfp4_ref,
+from .decode import (RECIPE_KEYS, DecodeStep, available, decode_nvfp4_cpu, decode_nvfp4_ref,
                      section_offsets, supports_layout)
 
-__all__ = ["RECIPE_KEYS", "available", "decode_nvfp4_cpu", "decode_nvfp4_ref",
+__all__ = ["RECIPE_KEYS", "DecodeStep", "available", "decode_nvfp4_cpu", "decode_nvfp4_ref",
            "section_offsets", "supports_layout"]

@@ -18,6 +18,7 @@ Shapes: ``B`` sequences (one new token each), ``Hq`` query heads, ``H`` KV heads
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 
@@ -66,20 +67,25 @@ def section_offsets(layout: PageLayout, layer: int) -> torch.Tensor:
                         dtype=torch.int64)
 
 
-def _rows(x: torch.Tensor, b: int, heads: int, d: int, name: str) -> int:
-    """Checks ``x`` fp32 CPU ``[b, heads, d]`` with contiguous rows; its row stride."""
-    if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape != (b, heads, d) or \
-            x.stride(2) != 1 or x.stride(1) != d:
-        raise KernelInputError(f"{name} must be float32 CPU [{b}, {heads}, {d}] with contiguous "
+@functools.lru_cache(maxsize=16)
+def _all_sections(layout: PageLayout) -> list[torch.Tensor]:
+    return [section_offsets(layout, i) for i in range(layout.num_layers)]
+
+
+def _rows(x: torch.Tensor, shape: tuple[int, int, int], name: str) -> int:
+    """Checks ``x`` fp32 CPU ``shape`` with contiguous rows; its row stride."""
+    if x.dtype != torch.float32 or x.shape != shape or x.stride()[1:] != (shape[2], 1) or \
+            x.device.type != "cpu":
+        raise KernelInputError(f"{name} must be float32 CPU {list(shape)} with contiguous "
                                f"rows, got {x.dtype} {x.device} {tuple(x.shape)} {x.stride()}")
     return x.stride(0)
 
 
-def _ptr(t: torch.Tensor | None, shape: tuple[int, ...] | None = None, name: str = "") -> int | None:
+def _ptr(t: torch.Tensor | None, shape: tuple[int, ...], name: str) -> int | None:
     if t is None:
         return None
     if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu" or \
-            (shape is not None and t.shape != shape):
+            t.shape != shape:
         raise KernelInputError(f"{name} must be contiguous float32 CPU {shape}, got {t.dtype} "
                                f"{tuple(t.shape)}")
     return t.data_ptr()
@@ -92,12 +98,73 @@ def _ints(t: torch.Tensor, shape: tuple[int, ...], name: str) -> int:
     return t.data_ptr()
 
 
+class DecodeStep:
+    """One decode step's arguments of :func:`decode_nvfp4_cpu` that every layer shares,
+    checked once (``slots``, ``page_ids``, ``hi`` and each window's ``lo``; see there), so
+    that :meth:`layer` costs a few microseconds of Python. Keeps the tensors alive."""
+
+    def __init__(self, layout: PageLayout, pool: torch.Tensor, slots: torch.Tensor,
+                 page_ids: torch.Tensor, hi: torch.Tensor, sm_scale: float):
+        self.lib = _library()
+        if self.lib is None:
+            raise KernelInputError("the CPU decode kernel is not available (no C compiler?)")
+        if not supports_layout(layout):
+            raise KernelInputError(f"decode_nvfp4_cpu needs plain NVFP4 K and V, got "
+                                   f"{layout.fmt.name}")
+        layout.check_pool(pool)
+        if not pool.is_contiguous() or pool.device.type != "cpu":
+            raise KernelInputError("pool must be a contiguous CPU tensor")
+        b = slots.shape[0] if slots.dim() == 1 else -1
+        m = page_ids.shape[1] if page_ids.dim() == 2 else -1
+        self._keep = (pool, slots, page_ids, hi)
+        self.layout, self.b, self.m, self.sm_scale = layout, b, m, sm_scale
+        self.h, self.d, self.s = layout.num_kv_heads, layout.head_dim, layout.page_size
+        self.ptrs = (pool.data_ptr(), pool.stride(0), _ints(slots, (b,), "slots"),
+                     _ints(page_ids, (b, m), "page_ids"), _ints(hi, (b,), "hi"))
+        self._sections = _all_sections(layout)
+        self._lo: dict = {}
+
+    def recipe(self, recipe: dict | None) -> tuple:
+        """A layer's recipe tensors (see :func:`decode_nvfp4_cpu`) as checked pointers; keep
+        the tensors alive while the result is used."""
+        rec, h, d = recipe or {}, self.h, self.d
+        return tuple(_ptr(rec.get(n), shp, n) for n, shp in
+                     zip(RECIPE_KEYS, ((h, d, d), (h, d), (h, d), (h, d, d), (h, d))))
+
+    def layer(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              lo: torch.Tensor, k_scale: float, v_scale: float, recipe: tuple = (None,) * 5,
+              rope: tuple | None = None) -> torch.Tensor:
+        """Layer ``layer``'s step; ``recipe`` from :meth:`recipe`, ``lo`` int64 ``[B]``."""
+        b, d, h = self.b, self.d, self.h
+        hq = q.shape[1] if q.dim() == 3 else -1
+        if hq <= 0 or hq % h:
+            raise KernelInputError(f"q must be [{b}, Hq, {d}] with Hq % {h} == 0, got "
+                                   f"{tuple(q.shape)}")
+        sq, sk, sv = _rows(q, (b, hq, d), "q"), _rows(k, (b, h, d), "k"), _rows(v, (b, h, d), "v")
+        lp = self._lo.get(id(lo))
+        if lp is None or lp[0] is not lo:
+            lp = self._lo[id(lo)] = (lo, _ints(lo, (b,), "lo"))
+        cs = (None, None)
+        if rope is not None:
+            cs = tuple(_ptr(t, (b, 1, d) if t.dim() == 3 else (b, d), "cos/sin") for t in rope)
+        pool, page_stride, slots, page_ids, hi = self.ptrs
+        out = torch.empty((b, hq, d), dtype=torch.float32)
+        rc = self.lib.nb_decode_nvfp4(
+            q.data_ptr(), sq, k.data_ptr(), sk, v.data_ptr(), sv, *cs, *recipe, pool,
+            page_stride, self._sections[layer].data_ptr(), b, h, hq // h, d, self.s, slots,
+            page_ids, self.m, lp[1], hi, k_scale, v_scale, self.sm_scale, out.data_ptr())
+        if rc == 1:
+            raise NonFiniteInputError("NVFP4 quantize got NaN or inf input")
+        if rc:
+            raise MemoryError("decode_nvfp4_cpu: out of memory")
+        return out
+
+
 def decode_nvfp4_cpu(layout: PageLayout, pool: torch.Tensor, layer: int, q: torch.Tensor,
                      k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
                      page_ids: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
                      k_scale: float, v_scale: float, sm_scale: float,
-                     recipe: dict | None = None, rope: tuple | None = None,
-                     sections: torch.Tensor | None = None) -> torch.Tensor:
+                     recipe: dict | None = None, rope: tuple | None = None) -> torch.Tensor:
     """Store the step's K/V rows of ``layer`` and attend; ``[B, Hq, D]`` float32.
 
     Args:
@@ -114,45 +181,13 @@ def decode_nvfp4_cpu(layout: PageLayout, pool: torch.Tensor, layer: int, q: torc
             applied), fp32 contiguous.
         rope: ``(cos, sin)`` fp32 contiguous ``[B, D]`` (or ``[B, 1, D]``) to rotate q and k
             first, as ``apply_rope`` does.
-        sections: :func:`section_offsets` of ``layer`` (computed when None).
     Raises:
         NonFiniteInputError: a transformed K or V value is NaN or inf (nothing stored).
+
+    A caller running every layer of a step builds one :class:`DecodeStep` instead.
     """
-    lib = _library()
-    if lib is None:
-        raise KernelInputError("the CPU decode kernel is not available (no C compiler?)")
-    if not supports_layout(layout):
-        raise KernelInputError(f"decode_nvfp4_cpu needs plain NVFP4 K and V, got {layout.fmt.name}")
-    layout.check_pool(pool)
-    if not pool.is_contiguous() or pool.device.type != "cpu":
-        raise KernelInputError("pool must be a contiguous CPU tensor")
-    b, hq, d = q.shape
-    h, s = layout.num_kv_heads, layout.page_size
-    if d != layout.head_dim or hq % h:
-        raise KernelInputError(f"q must be [B, Hq, {layout.head_dim}] with Hq % {h} == 0, got "
-                               f"{tuple(q.shape)}")
-    strides = [_rows(x, b, n, d, name) for x, n, name in ((q, hq, "q"), (k, h, "k"), (v, h, "v"))]
-    m = page_ids.shape[1] if page_ids.dim() == 2 else -1
-    ints = [_ints(page_ids, (b, m), "page_ids")] + [_ints(t, (b,), n) for t, n in
-                                                      ((slots, "slots"), (lo, "lo"), (hi, "hi"))]
-    rec = recipe or {}
-    hdd, hd = (h, d, d), (h, d)
-    rp = [_ptr(rec.get(n), shp, n) for n, shp in zip(RECIPE_KEYS, (hdd, hd, hd, hdd, hd))]
-    if rope is not None:
-        rope = tuple(t.reshape(b, d) for t in rope)
-    cs = [_ptr(t, (b, d), "cos/sin") for t in rope] if rope is not None else [None, None]
-    if sections is None:
-        sections = section_offsets(layout, layer)
-    out = torch.empty((b, hq, d), dtype=torch.float32)
-    rc = lib.nb_decode_nvfp4(q.data_ptr(), strides[0], k.data_ptr(), strides[1], v.data_ptr(),
-                             strides[2], *cs, *rp, pool.data_ptr(), pool.stride(0),
-                             sections.data_ptr(), b, h, hq // h, d, s, ints[1], ints[0], m,
-                             ints[2], ints[3], k_scale, v_scale, sm_scale, out.data_ptr())
-    if rc == 1:
-        raise NonFiniteInputError("NVFP4 quantize got NaN or inf input")
-    if rc:
-        raise MemoryError("decode_nvfp4_cpu: out of memory")
-    return out
+    step = DecodeStep(layout, pool, slots, page_ids, hi, sm_scale)
+    return step.layer(layer, q, k, v, lo, k_scale, v_scale, step.recipe(recipe), rope)
 
 
 def decode_nvfp4_ref(layout: PageLayout, pool: torch.Tensor, layer: int, q: torch.Tensor,

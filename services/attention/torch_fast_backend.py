@@ -60,9 +60,7 @@ class FastTorchAttentionBackend(TorchAttentionBackend):
         self.native = (self.pool.device.type == "cpu" and not self.fp8_fresh
                        and cpu_kernels.supports_layout(self.layout) and cpu_kernels.available())
         self._nd: dict | None = None                  # the native decode step's plan
-        self._sections = [cpu_kernels.section_offsets(self.layout, i)
-                          for i in range(self.layout.num_layers)] if self.native else []
-        self._native_recipe: tuple = (None, [])       # (params, per-layer tensors)
+        self._native_recipe: tuple = (None,)          # (params, tensors, their pointers)
 
     def plan(self, meta: AttentionMetadata) -> None:
         self._fd = self._chunk = self._nd = None
@@ -107,20 +105,23 @@ class FastTorchAttentionBackend(TorchAttentionBackend):
         ps = self.layout.page_size
         hi = torch.tensor(meta.cached_lens, dtype=torch.long)
         m = int(hi.max()) // ps + 1
-        slots = split_slots(self.layout, self.pool.layer(0), meta.slot_mapping.cpu())
+        slots = meta.slot_mapping.cpu().long().contiguous()
+        split_slots(self.layout, self.pool.layer(0), slots)          # checks them
         lo = {w: torch.tensor([_first_visible(c, w) for c in meta.cached_lens], dtype=torch.long)
               for w in set(self.sliding_windows) or {None}}
-        self._nd = dict(meta=meta, hi=hi, lo=lo, page_ids=meta.block_tables[:, :m].long()
-                        .contiguous(), slots=(slots[0] * ps + slots[1]).contiguous(),
-                        scales=self.pool.global_scales.tolist(), recipe=self._recipe_tensors())
+        step = cpu_kernels.DecodeStep(self.layout, self.pool.pages, slots,
+                                      meta.block_tables[:, :m].long().contiguous(), hi,
+                                      self.sm_scale)
+        self._nd = dict(meta=meta, step=step, lo=lo, scales=self.pool.global_scales.tolist(),
+                        recipe=self._recipe_ptrs(step))
         self._dec = {}
 
-    def _recipe_tensors(self) -> list[dict | None]:
-        """Per layer, the pool's recipe parameters as the C kernel takes them (None: none,
-        or not calibrated: identity)."""
+    def _recipe_ptrs(self, step) -> list[tuple]:
+        """Per layer, the pool's recipe parameters as the C kernel takes them (all None: no
+        recipe, or not calibrated: identity); converted once per parameter set."""
         p = getattr(self.pool, "recipe_params", None)
         if p is None or not p.digest:
-            return [None] * self.layout.num_layers
+            return [(None,) * 5] * self.layout.num_layers
         if self._native_recipe[0] is not p:
             f32 = lambda t: None if t is None else t.to(torch.float32).contiguous()  # noqa: E731
             per = [dict(k_map=f32(p.k_map[i]) if p.k_map is not None else None,
@@ -129,16 +130,14 @@ class FastTorchAttentionBackend(TorchAttentionBackend):
                         q_map=f32(p.q_map[i]) if p.q_map is not None else None,
                         v_shift=f32(p.v_shift[i]) if p.v_shift is not None else None)
                    for i in range(self.layout.num_layers)]
-            self._native_recipe = (p, per)
-        return self._native_recipe[1]
+            self._native_recipe = (p, per, [step.recipe(r) for r in per])
+        return self._native_recipe[2]
 
     def _native(self, layer: int, q, k, v, rope=None) -> torch.Tensor:
         nd = self._nd
         ks, vs = nd["scales"][layer]
-        return cpu_kernels.decode_nvfp4_cpu(
-            self.layout, self.pool.pages, layer, q, k, v, nd["slots"], nd["page_ids"],
-            nd["lo"][self.window(layer)], nd["hi"], ks, vs, self.sm_scale,
-            nd["recipe"][layer], rope, self._sections[layer])
+        return nd["step"].layer(layer, q, k, v, nd["lo"][self.window(layer)], ks, vs,
+                                nd["recipe"][layer], rope)
 
     def forward_fused(self, layer: int, inp: QKVInput, meta: AttentionMetadata
                       ) -> torch.Tensor | None:

@@ -23,6 +23,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 #define BLOCK 16
 
@@ -76,16 +79,14 @@ static void quantize_row(const float *x, int d, float gs, uint8_t *codes, uint8_
     }
 }
 
-/* (e2m1 * scale) * gs, as the references dequantize. */
+/* (e2m1 * scale) * gs, as the references dequantize: the pair table's values first, then
+ * the block's two multiplies (a loop the compiler vectorizes). */
 static inline void dequant_row(const uint8_t *codes, const uint8_t *scales, int d, float gs,
                                float *out) {
+    for (int i = 0; i < d / 2; i++) memcpy(out + 2 * i, PAIR[codes[i]], 2 * sizeof(float));
     for (int b0 = 0; b0 < d; b0 += BLOCK) {
         float s = E4M3[scales[b0 / BLOCK]];
-        for (int i = 0; i < BLOCK / 2; i++) {
-            const float *p = PAIR[codes[b0 / 2 + i]];
-            out[b0 + 2 * i] = (p[0] * s) * gs;
-            out[b0 + 2 * i + 1] = (p[1] * s) * gs;
-        }
+        for (int i = 0; i < BLOCK; i++) out[b0 + i] = (out[b0 + i] * s) * gs;
     }
 }
 
@@ -117,19 +118,77 @@ static inline float dot(const float *a, const float *b, int d) {
     return s;
 }
 
-/* Attention of the G query rows q [G][D] of one KV head over positions lo..hi. */
+#ifdef __AVX512F__
+/* One 16-value block of a row: codes (8 bytes) and its scale -> (e2m1 * scale) * gs. */
+static inline __m512 dequant_block(const uint8_t *codes, float scale, float gs) {
+    static const float mag[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, -0.0f,
+                                  -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+    __m128i b = _mm_loadl_epi64((const __m128i *)codes);
+    __m128i nib = _mm_set1_epi8(15);
+    __m128i lo = _mm_and_si128(b, nib), hi = _mm_and_si128(_mm_srli_epi16(b, 4), nib);
+    __m512i idx = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi));    /* element order */
+    __m512 v = _mm512_permutexvar_ps(idx, _mm512_loadu_ps(mag));
+    return _mm512_mul_ps(_mm512_mul_ps(v, _mm512_set1_ps(scale)), _mm512_set1_ps(gs));
+}
+#endif
+
+/* Scores of the G query rows q [G][D] against one K row (sm_scale applied), or one V
+ * row's weighted add into out [G][D] (w [G]); the row read from its page. */
+static inline void k_scores(const float *q, int g, int d, const uint8_t *codes,
+                            const uint8_t *scales, float gs, float sm_scale, float *row,
+                            float *sc, int64_t stride) {
+#ifdef __AVX512F__
+    __m512 acc[8];
+    if (g <= 8) {
+        for (int i = 0; i < g; i++) acc[i] = _mm512_setzero_ps();
+        for (int b0 = 0; b0 < d; b0 += BLOCK) {
+            __m512 v = dequant_block(codes + b0 / 2, E4M3[scales[b0 / BLOCK]], gs);
+            for (int i = 0; i < g; i++)
+                acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(q + i * d + b0), v, acc[i]);
+        }
+        for (int i = 0; i < g; i++) sc[i * stride] = _mm512_reduce_add_ps(acc[i]) * sm_scale;
+        return;
+    }
+#endif
+    dequant_row(codes, scales, d, gs, row);
+    for (int i = 0; i < g; i++) sc[i * stride] = dot(q + i * d, row, d) * sm_scale;
+}
+
+static inline void v_accumulate(const float *w, int64_t stride, int g, int d,
+                                const uint8_t *codes, const uint8_t *scales, float gs,
+                                float *row, float *out) {
+#ifdef __AVX512F__
+    for (int b0 = 0; b0 < d; b0 += BLOCK) {
+        __m512 v = dequant_block(codes + b0 / 2, E4M3[scales[b0 / BLOCK]], gs);
+        for (int i = 0; i < g; i++) {
+            __m512 o = _mm512_loadu_ps(out + i * d + b0);
+            _mm512_storeu_ps(out + i * d + b0, _mm512_fmadd_ps(_mm512_set1_ps(w[i * stride]), v, o));
+        }
+    }
+    (void)row;
+#else
+    dequant_row(codes, scales, d, gs, row);
+    for (int i = 0; i < g; i++) {
+        float wi = w[i * stride], *o = out + i * d;
+        for (int e = 0; e < d; e++) o[e] += wi * row[e];
+    }
+#endif
+}
+
+/* Attention of the G query rows q [G][D] of one KV head over positions lo..hi into
+ * out [G][D] (contiguous). */
 static void attend(const float *q, int g, int d, int s, const uint8_t *pool, int64_t page_stride,
                    const int64_t *sec, const int64_t *pages, int h, int64_t lo, int64_t hi,
                    float gs_k, float gs_v, float sm_scale, float *scores, float *row,
-                   float *out, int64_t out_stride) {
+                   float *out) {
     int64_t n = hi - lo + 1;
     int cb = d / 2, sb = d / BLOCK;
     for (int64_t j = 0; j < n; j++) {
         int64_t p = lo + j;
         const uint8_t *page = pool + pages[p / s] * page_stride;
         int64_t r = (int64_t)h * s + p % s;
-        dequant_row(page + sec[0] + r * cb, page + sec[2] + r * sb, d, gs_k, row);
-        for (int i = 0; i < g; i++) scores[i * n + j] = dot(q + i * d, row, d) * sm_scale;
+        k_scores(q, g, d, page + sec[0] + r * cb, page + sec[2] + r * sb, gs_k, sm_scale, row,
+                 scores + j, n);
     }
     for (int i = 0; i < g; i++) {
         float *sc = scores + i * n, mx = -INFINITY, sum = 0.0f;
@@ -137,17 +196,14 @@ static void attend(const float *q, int g, int d, int s, const uint8_t *pool, int
         for (int64_t j = 0; j < n; j++) { sc[j] = expf(sc[j] - mx); sum += sc[j]; }
         float inv = 1.0f / sum;
         for (int64_t j = 0; j < n; j++) sc[j] *= inv;
-        memset(out + i * out_stride, 0, sizeof(float) * d);
     }
+    memset(out, 0, sizeof(float) * (size_t)g * d);
     for (int64_t j = 0; j < n; j++) {
         int64_t p = lo + j;
         const uint8_t *page = pool + pages[p / s] * page_stride;
         int64_t r = (int64_t)h * s + p % s;
-        dequant_row(page + sec[1] + r * cb, page + sec[3] + r * sb, d, gs_v, row);
-        for (int i = 0; i < g; i++) {
-            float w = scores[i * n + j], *o = out + i * out_stride;
-            for (int e = 0; e < d; e++) o[e] += w * row[e];
-        }
+        v_accumulate(scores + j, n, g, d, page + sec[1] + r * cb, page + sec[3] + r * sb, gs_v,
+                     row, out);
     }
 }
 
@@ -208,7 +264,7 @@ int nb_decode_nvfp4(const float *q, int64_t q_stride, const float *k, int64_t k_
             float *o = out + (size_t)b * qn + (size_t)hh * g_n * d;
             attend(qt + b * qn + (size_t)hh * g_n * d, g_n, d, s, pool, page_stride, sec,
                    page_ids + (size_t)b * m, hh, lo[b], hi[b], gs_k, gs_v, sm_scale,
-                   scores, scores + nmax * g_n, o, d);
+                   scores, scores + nmax * g_n, o);
             if (v_shift)                            /* the recipe's finish */
                 for (int i = 0; i < g_n; i++)
                     for (int e = 0; e < d; e++) o[i * d + e] = o[i * d + e] + v_shift[hh * d + e];

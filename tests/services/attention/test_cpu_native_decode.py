@@ -105,8 +105,8 @@ def test_engine_tokens_match_torch_decode(monkeypatch):
     and logits within fp32 rounding as with the C kernel off (no recipe: no code flips)."""
     model = tiny_model(tiny_arch("llama", head_dim=32, num_heads=6), torch.float32)
     calls = []
-    real = cpu_kernels.decode_nvfp4_cpu
-    monkeypatch.setattr(cpu_kernels, "decode_nvfp4_cpu",
+    real = cpu_kernels.DecodeStep.layer
+    monkeypatch.setattr(cpu_kernels.DecodeStep, "layer",
                         lambda *a, **kw: calls.append(1) or real(*a, **kw))
     runs = {}
     for native in (False, True):
