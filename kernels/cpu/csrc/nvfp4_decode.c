@@ -97,13 +97,14 @@ static void rope(const float *x, const float *cos, const float *sin, int d, floa
     for (int i = h; i < d; i++) out[i] = x[i] * cos[i] + x[i - h] * sin[i];
 }
 
-/* out[e] = bias[e] + sum_d x[d] * m[d][e] (bias NULL: 0). */
+/* out[e] = bias[e] + sum_d x[d] * m[d][e] (bias NULL: 0); fused multiply-adds: its
+ * summation order differs from torch's matmul anyway. */
 static void row_matmul(const float *x, const float *m, const float *bias, int d, float *out) {
     for (int e = 0; e < d; e++) out[e] = 0.0f;
     for (int i = 0; i < d; i++) {
         float xi = x[i];
         const float *row = m + (size_t)i * d;
-        for (int e = 0; e < d; e++) out[e] += xi * row[e];
+        for (int e = 0; e < d; e++) out[e] = fmaf(xi, row[e], out[e]);
     }
     if (bias)
         for (int e = 0; e < d; e++) out[e] = bias[e] + out[e];
