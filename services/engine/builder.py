@@ -168,8 +168,6 @@ def build_engine_core(model, tokenizer, cfg: NibbleConfig, *, device: torch.devi
     pool = KVPool(layout, plan_num_pages(cfg.cache, layout, device, weight_bytes), device)
     context = min(cfg.model.context_length or arch.max_position_embeddings,
                   arch.max_position_embeddings)
-    if device.type == "cpu" and hasattr(model, "use_k_major_weights"):
-        model.use_k_major_weights()
     if inject.calibrate:      # the format's K recipe, if any, over the context to serve
         calibrate_pool(model, tokenizer, pool, arch, context)
     # Fused Triton layer kernels on CUDA: after calibration (which runs the torch ops),

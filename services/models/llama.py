@@ -78,7 +78,7 @@ class DecoderLayer(nn.Module):
             o = self._attention(qkv, cos, sin, attn)
         x = x + F.linear(o.reshape(t, a.q_size), self.o_weight, self.o_bias)
         h = rms_norm(x, self.post_norm, a.rms_norm_eps)
-        gate, up = F.linear(h, self.gate_up_weight).chunk(2, dim=-1)
+        gate, up = self._gate_up(h)
         return x + F.linear(F.silu(gate) * up, self.down_weight)
 
     def forward_fused(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
@@ -99,6 +99,16 @@ class DecoderLayer(nn.Module):
         o = F.linear(o.reshape(t, a.q_size), self.o_weight, self.o_bias)
         h, residual = add_rms_norm(o, residual, self.post_norm, a.rms_norm_eps)
         return F.linear(silu_mul(F.linear(h, self.gate_up_weight)), self.down_weight), residual
+
+    def _gate_up(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``silu``'s and ``up``'s inputs ``[T, I]`` from ``h [T, H]``. A small CPU batch (a
+        decode step) runs them as two GEMMs over the fused weight's halves: BLAS runs the
+        ``[I, H]`` shape at 8 rows about 1.3x faster per byte than the ``[2I, H]`` one (the
+        values are the same, bit for bit, as those of the fused GEMM's halves)."""
+        if h.device.type == "cpu" and h.shape[0] <= 64:
+            i = self.arch.intermediate_size
+            return F.linear(h, self.gate_up_weight[:i]), F.linear(h, self.gate_up_weight[i:])
+        return F.linear(h, self.gate_up_weight).chunk(2, dim=-1)
 
     def _attention(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    attn: AttentionFn) -> torch.Tensor:
@@ -168,16 +178,6 @@ class CausalLM(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.embed.device
-
-    def use_k_major_weights(self) -> None:
-        """Store each layer's projection weights ``[out, in]`` column-major (the same values,
-        ``in`` the outer dimension): ``F.linear`` then hands BLAS a contiguous ``[in, out]``
-        operand, which on CPU runs the small-batch decode GEMMs 10-15% faster than the
-        transposed read of a row-major weight (the default CPU layout; idempotent)."""
-        for layer in self.layers:
-            for name, p in layer.named_parameters(recurse=False):
-                if p.dim() == 2 and not p.t().is_contiguous():
-                    p.data = p.data.t().contiguous().t()
 
     def set_fused_kernels(self, enabled: bool) -> None:
         """Run the layers on the fused Triton kernels (see the module docstring); they run
