@@ -147,7 +147,7 @@ class FastTorchAttentionBackend(TorchAttentionBackend):
         if nd is None or meta is not nd["meta"] or inp.q_norm is not None or \
                 qkv.dtype != torch.float32 or not qkv.is_contiguous():
             return None
-        t, hq, h, d = qkv.shape[0], inp.num_heads, inp.num_kv_heads, inp.head_dim
+        hq, h, d = inp.num_heads, inp.num_kv_heads, inp.head_dim
         q, k, v = (x.unflatten(1, (-1, d)) for x in qkv.split([hq * d, h * d, h * d], 1))
         return self._native(layer, q, k, v, (inp.cos, inp.sin))
 
