@@ -28,5 +28,6 @@ setup(
     package_data={"nibble.proto": ["**/*.proto"], "nibble.services": ["**/*.jinja"],
                   "nibble.bench": ["models/*/config.json"],
                   # the CUDA C++ that nibble.kernels.cuda builds on first use
-                  "nibble.kernels.cuda": ["csrc/*.cu", "csrc/*.cuh", "csrc/*.cpp"]},
+                  "nibble.kernels.cuda": ["csrc/*.cu", "csrc/*.cuh", "csrc/*.cpp"],
+                  "nibble.kernels.cpu": ["csrc/*.c"]},
 )

@@ -144,7 +144,7 @@ class RecipeHook:
     def __init__(self, pool, device: torch.device | None = None):
         self.pool = pool
         self.recipe = pool.layout.fmt.k_recipe
-        self._src = self._dev = None
+        self._src = self._dev = self._identity = None
         self._cast: dict[torch.dtype, RecipeParams] = {}
         if device is not None and (device.type != "cuda" or torch.cuda.is_available()):
             self._sync(torch.empty(0, device=device).device)      # before any graph capture
@@ -154,8 +154,11 @@ class RecipeHook:
             return None
         p = getattr(self.pool, "recipe_params", None)     # duck-typed pools may lack it
         if p is None:
-            lay = self.pool.layout
-            p = RecipeParams.identity(self.recipe, lay.num_layers, lay.num_kv_heads, lay.head_dim)
+            p = self._identity
+            if p is None:               # built once: rebuilding it cost every layer a copy
+                lay = self.pool.layout
+                p = self._identity = RecipeParams.identity(self.recipe, lay.num_layers,
+                                                           lay.num_kv_heads, lay.head_dim)
         if self._dev is None or self._dev.k_shift.device != device:
             self._src, self._dev = p, p.to(device)
         elif p is not self._src and p.digest != self._dev.digest:

@@ -21,6 +21,12 @@ Values are the reference's: the dequantized K/V are bit-identical, the attention
 output equal within fp32 rounding (a different SDPA call shape and padding).
 Formats outside ``paged_fast.FAST_ELEMENTS`` (the rotated-K research formats)
 decode through the reference path.
+
+Plain NVFP4 K and V (``nvfp4`` and its calibrated recipes) with an fp32 model go one step
+further on a pure decode step where the C kernel builds (``kernels/cpu``): each layer is one
+C call doing the recipe, the store and the attention (and RoPE, through
+:meth:`forward_fused`, which the model tries first), with no workspace at all.
+``NIBBLE_CPU_KERNELS=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -28,9 +34,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from nibble.kernels import cpu as cpu_kernels
 from nibble.kernels.paged_fast import (dequantize_pages, dequantize_rows, dequantize_stored,
                                        split_slots, store_kv_fast, supports_layout)
 
+from ..models.base import QKVInput
 from .base import AttentionMetadata, fresh_kv, register_backend
 from .torch_backend import TorchAttentionBackend, _first_visible
 
@@ -49,9 +57,21 @@ class FastTorchAttentionBackend(TorchAttentionBackend):
         self._chunk: tuple[range, torch.Tensor] | None = None
         self._stored = None         # what the last store returned (plain NVFP4 codes, scales)
         self._scratch: dict = {}    # the workspace's memory, kept from step to step
+        self.native = (self.pool.device.type == "cpu" and not self.fp8_fresh
+                       and cpu_kernels.supports_layout(self.layout) and cpu_kernels.available())
+        self._nd: dict | None = None                  # the native decode step's plan
+        self._native_recipe: tuple = (None,)          # (params, tensors, their pointers)
 
     def plan(self, meta: AttentionMetadata) -> None:
-        self._fd = self._chunk = None
+        self._fd = self._chunk = self._nd = None
+        if self.native and meta.decode and len(meta.decode) == len(meta.seq_starts):
+            self._plan_native(meta)
+            return
+        self.plan_torch(meta)
+
+    def plan_torch(self, meta: AttentionMetadata) -> None:
+        """The torch decode's plan (see the module docstring)."""
+        self._nd = None
         if not self.fast or not meta.decode:
             super().plan(meta)
             return
@@ -79,8 +99,67 @@ class FastTorchAttentionBackend(TorchAttentionBackend):
             slots=split_slots(self.layout, self.pool.layer(0), meta.slot_mapping.to(dev))
             if pure else None)
 
+    def _plan_native(self, meta: AttentionMetadata) -> None:
+        """A pure decode step for the C kernel: page ids ``[B, M]``, slots, and per window the
+        first visible position of each sequence (``lo``; the last, ``hi``, is its new row)."""
+        ps = self.layout.page_size
+        hi = torch.tensor(meta.cached_lens, dtype=torch.long)
+        m = int(hi.max()) // ps + 1
+        slots = meta.slot_mapping.cpu().long().contiguous()
+        split_slots(self.layout, self.pool.layer(0), slots)          # checks them
+        lo = {w: torch.tensor([_first_visible(c, w) for c in meta.cached_lens], dtype=torch.long)
+              for w in set(self.sliding_windows) or {None}}
+        step = cpu_kernels.DecodeStep(self.layout, self.pool.pages, slots,
+                                      meta.block_tables[:, :m].long().contiguous(), hi,
+                                      self.sm_scale)
+        self._nd = dict(meta=meta, step=step, lo=lo, scales=self.pool.global_scales.tolist(),
+                        recipe=self._recipe_ptrs(step))
+        self._dec = {}
+
+    def _recipe_ptrs(self, step) -> list[tuple]:
+        """Per layer, the pool's recipe parameters as the C kernel takes them (all None: no
+        recipe, or not calibrated: identity); converted once per parameter set."""
+        p = getattr(self.pool, "recipe_params", None)
+        if p is None or not p.digest:
+            return [(None,) * 5] * self.layout.num_layers
+        if self._native_recipe[0] is not p:
+            f32 = lambda t: None if t is None else t.to(torch.float32).contiguous()  # noqa: E731
+            per = [dict(k_map=f32(p.k_map[i]) if p.k_map is not None else None,
+                        k_bias=f32(p.k_bias[i, :, 0]) if p.k_map is not None else None,
+                        k_shift=f32(p.k_shift[i]) if p.k_map is None else None,
+                        q_map=f32(p.q_map[i]) if p.q_map is not None else None,
+                        v_shift=f32(p.v_shift[i]) if p.v_shift is not None else None)
+                   for i in range(self.layout.num_layers)]
+            self._native_recipe = (p, per, [step.recipe(r) for r in per])
+        return self._native_recipe[2]
+
+    def _native(self, layer: int, q, k, v, rope=None) -> torch.Tensor:
+        nd = self._nd
+        ks, vs = nd["scales"][layer]
+        return nd["step"].layer(layer, q, k, v, nd["lo"][self.window(layer)], ks, vs,
+                                nd["recipe"][layer], rope)
+
+    def forward_fused(self, layer: int, inp: QKVInput, meta: AttentionMetadata
+                      ) -> torch.Tensor | None:
+        """A pure decode step's attention straight from the QKV output (RoPE in the C call);
+        None where the C kernel does not take this step (QK-norm, a non-fp32 model)."""
+        nd, qkv = self._nd, inp.qkv
+        if nd is None or meta is not nd["meta"] or inp.q_norm is not None or \
+                qkv.dtype != torch.float32 or not qkv.is_contiguous():
+            return None
+        hq, h, d = inp.num_heads, inp.num_kv_heads, inp.head_dim
+        q, k, v = (x.unflatten(1, (-1, d)) for x in qkv.split([hq * d, h * d, h * d], 1))
+        return self._native(layer, q, k, v, (inp.cos, inp.sin))
+
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
+        nd = self._nd
+        if nd is not None and meta is nd["meta"] and q.dtype == torch.float32:
+            f32 = lambda x: x if x.dtype == torch.float32 and x.stride(-1) == 1 and \
+                x.stride(-2) == x.shape[-1] else x.float().contiguous()  # noqa: E731
+            return self._native(layer, q, f32(k), f32(v))
+        if nd is not None:          # the C kernel declined: plan the torch decode now
+            self.plan_torch(meta)
         fd = self._fd
         if fd is None or not fd["pure"] or meta is not fd["meta"]:
             return super().forward(layer, q, k, v, meta)

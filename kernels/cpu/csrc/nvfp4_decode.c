@@ -1,0 +1,276 @@
+/* One decode layer over NVFP4 pages on the CPU: RoPE (optional), the K recipe, the
+ * NVFP4 store of the new K/V rows, and GQA attention over each sequence's pages.
+ *
+ * Plain C (no torch headers), built on first use by nibble/kernels/cpu/build.py and
+ * called through ctypes. Compiled with -ffp-contract=off and without -ffast-math, so
+ * every fp32 operation below rounds as the torch references' do: RoPE, the NVFP4
+ * quantizer and the dequantized K/V are bit-identical to theirs; the recipe's matmuls
+ * and the attention sums differ from torch only in summation order.
+ *
+ * Layouts (all row-major, fp32 unless stated):
+ *   q rows  [B][Hq*D] with row stride q_stride (floats); k, v rows [B][H*D] likewise
+ *   cos/sin [B][D] (NULL: q and k already rotated)
+ *   k_map/q_map [H][D][D], k_bias/k_shift/v_shift [H][D] (NULL: absent)
+ *   pool: uint8 pages of page_stride bytes; sec[4] = byte offsets, inside a page, of
+ *         this layer's K data [H][S][D/2], V data, K scales [H][S][D/16], V scales
+ *   slots [B] = page * S + offset of each new row; page_ids [B][M]; lo/hi [B]: the
+ *         positions lo..hi (hi = the new row's) each query attends to
+ *   out [B][Hq*D]
+ * Returns 0, or 1 when a transformed K or V value is not finite (nothing written).
+ */
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+#define BLOCK 16
+
+static float PAIR[256][2];       /* the two E2M1 values (low, high nibble) of each byte */
+static float E4M3[256];          /* the value of each E4M3 byte */
+static int ready = 0;
+
+static void init_tables(void) {
+    static const float mag[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+    for (int c = 0; c < 256; c++) {
+        int lo = c & 15, hi = c >> 4;
+        PAIR[c][0] = (lo & 8) ? -mag[lo & 7] : mag[lo & 7];
+        PAIR[c][1] = (hi & 8) ? -mag[hi & 7] : mag[hi & 7];
+        int e = (c >> 3) & 15, m = c & 7;
+        float v = e == 0 ? ldexpf((float)m, -9) : ldexpf((float)(8 + m), e - 10);
+        E4M3[c] = (c & 128) ? -v : v;
+    }
+    ready = 1;
+}
+
+/* E4M3 byte of x in [0, 448], round to nearest even. */
+static inline uint8_t e4m3_byte(float x) {
+    if (x < 0.015625f)                              /* below 2^-6: subnormal steps of 2^-9 */
+        return (uint8_t)nearbyintf(x * 512.0f);     /* 8 is 2^-6, byte 0x08: still right */
+    int e;
+    frexpf(x, &e);                                  /* x in [2^(e-1), 2^e) */
+    int r = (int)nearbyintf(ldexpf(x, 4 - e));      /* 8..16 */
+    return (uint8_t)(((e + 6) << 3) + r - 8);       /* r = 16 carries into the exponent */
+}
+
+/* The reference quantizer (kernels/nvfp4.py) on one row of D values. */
+static void quantize_row(const float *x, int d, float gs, uint8_t *codes, uint8_t *scales) {
+    for (int b0 = 0; b0 < d; b0 += BLOCK) {
+        float amax = 0.0f;
+        for (int i = 0; i < BLOCK; i++) amax = fmaxf(amax, fabsf(x[b0 + i]));
+        float s = amax / 6.0f / gs;
+        if (!(s <= 448.0f)) s = 448.0f;
+        uint8_t sb = e4m3_byte(s);
+        float denom = E4M3[sb] * gs;
+        float inv = 0.0f;
+        if (denom > 0.0f) { inv = 1.0f / denom; if (inv > FLT_MAX) inv = FLT_MAX; }
+        uint8_t c[BLOCK];
+        for (int i = 0; i < BLOCK; i++) {
+            float q = x[b0 + i] * inv, m = fabsf(q);
+            int code = (m > 0.25f) + (m >= 0.75f) + (m > 1.25f) + (m >= 1.75f) + (m > 2.5f)
+                       + (m >= 3.5f) + (m > 5.0f);
+            c[i] = (uint8_t)(code | (signbit(q) ? 8 : 0));
+        }
+        for (int i = 0; i < BLOCK / 2; i++) codes[b0 / 2 + i] = (uint8_t)(c[2 * i] | (c[2 * i + 1] << 4));
+        scales[b0 / BLOCK] = sb;
+    }
+}
+
+/* (e2m1 * scale) * gs, as the references dequantize: the pair table's values first, then
+ * the block's two multiplies (a loop the compiler vectorizes). */
+static inline void dequant_row(const uint8_t *codes, const uint8_t *scales, int d, float gs,
+                               float *out) {
+    for (int i = 0; i < d / 2; i++) memcpy(out + 2 * i, PAIR[codes[i]], 2 * sizeof(float));
+    for (int b0 = 0; b0 < d; b0 += BLOCK) {
+        float s = E4M3[scales[b0 / BLOCK]];
+        for (int i = 0; i < BLOCK; i++) out[b0 + i] = (out[b0 + i] * s) * gs;
+    }
+}
+
+/* x [D] rotated as apply_rope does: x * cos + cat(-x[h:], x[:h]) * sin. */
+static void rope(const float *x, const float *cos, const float *sin, int d, float *out) {
+    int h = d / 2;
+    for (int i = 0; i < h; i++) out[i] = x[i] * cos[i] + (-x[i + h]) * sin[i];
+    for (int i = h; i < d; i++) out[i] = x[i] * cos[i] + x[i - h] * sin[i];
+}
+
+/* out[e] = bias[e] + sum_d x[d] * m[d][e] (bias NULL: 0); fused multiply-adds: its
+ * summation order differs from torch's matmul anyway. */
+static void row_matmul(const float *x, const float *m, const float *bias, int d, float *out) {
+    for (int e = 0; e < d; e++) out[e] = 0.0f;
+    for (int i = 0; i < d; i++) {
+        float xi = x[i];
+        const float *row = m + (size_t)i * d;
+        for (int e = 0; e < d; e++) out[e] = fmaf(xi, row[e], out[e]);
+    }
+    if (bias)
+        for (int e = 0; e < d; e++) out[e] = bias[e] + out[e];
+}
+
+static inline float dot(const float *a, const float *b, int d) {
+    float acc[BLOCK] = {0};
+    for (int i = 0; i < d; i += BLOCK)
+        for (int j = 0; j < BLOCK; j++) acc[j] += a[i + j] * b[i + j];
+    float s = 0.0f;
+    for (int j = 0; j < BLOCK; j++) s += acc[j];
+    return s;
+}
+
+#ifdef __AVX512F__
+/* One 16-value block of a row: codes (8 bytes) and its scale -> (e2m1 * scale) * gs. */
+static inline __m512 dequant_block(const uint8_t *codes, float scale, float gs) {
+    static const float mag[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, -0.0f,
+                                  -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+    __m128i b = _mm_loadl_epi64((const __m128i *)codes);
+    __m128i nib = _mm_set1_epi8(15);
+    __m128i lo = _mm_and_si128(b, nib), hi = _mm_and_si128(_mm_srli_epi16(b, 4), nib);
+    __m512i idx = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi));    /* element order */
+    __m512 v = _mm512_permutexvar_ps(idx, _mm512_loadu_ps(mag));
+    return _mm512_mul_ps(_mm512_mul_ps(v, _mm512_set1_ps(scale)), _mm512_set1_ps(gs));
+}
+#endif
+
+/* Scores of the G query rows q [G][D] against one K row (sm_scale applied), or one V
+ * row's weighted add into out [G][D] (w [G]); the row read from its page. */
+static inline void k_scores(const float *q, int g, int d, const uint8_t *codes,
+                            const uint8_t *scales, float gs, float sm_scale, float *row,
+                            float *sc, int64_t stride) {
+#ifdef __AVX512F__
+    __m512 acc[8];
+    if (g <= 8) {
+        for (int i = 0; i < g; i++) acc[i] = _mm512_setzero_ps();
+        for (int b0 = 0; b0 < d; b0 += BLOCK) {
+            __m512 v = dequant_block(codes + b0 / 2, E4M3[scales[b0 / BLOCK]], gs);
+            for (int i = 0; i < g; i++)
+                acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(q + i * d + b0), v, acc[i]);
+        }
+        for (int i = 0; i < g; i++) sc[i * stride] = _mm512_reduce_add_ps(acc[i]) * sm_scale;
+        return;
+    }
+#endif
+    dequant_row(codes, scales, d, gs, row);
+    for (int i = 0; i < g; i++) sc[i * stride] = dot(q + i * d, row, d) * sm_scale;
+}
+
+static inline void v_accumulate(const float *w, int64_t stride, int g, int d,
+                                const uint8_t *codes, const uint8_t *scales, float gs,
+                                float *row, float *out) {
+#ifdef __AVX512F__
+    for (int b0 = 0; b0 < d; b0 += BLOCK) {
+        __m512 v = dequant_block(codes + b0 / 2, E4M3[scales[b0 / BLOCK]], gs);
+        for (int i = 0; i < g; i++) {
+            __m512 o = _mm512_loadu_ps(out + i * d + b0);
+            _mm512_storeu_ps(out + i * d + b0, _mm512_fmadd_ps(_mm512_set1_ps(w[i * stride]), v, o));
+        }
+    }
+    (void)row;
+#else
+    dequant_row(codes, scales, d, gs, row);
+    for (int i = 0; i < g; i++) {
+        float wi = w[i * stride], *o = out + i * d;
+        for (int e = 0; e < d; e++) o[e] += wi * row[e];
+    }
+#endif
+}
+
+/* Attention of the G query rows q [G][D] of one KV head over positions lo..hi into
+ * out [G][D] (contiguous). */
+static void attend(const float *q, int g, int d, int s, const uint8_t *pool, int64_t page_stride,
+                   const int64_t *sec, const int64_t *pages, int h, int64_t lo, int64_t hi,
+                   float gs_k, float gs_v, float sm_scale, float *scores, float *row,
+                   float *out) {
+    int64_t n = hi - lo + 1;
+    int cb = d / 2, sb = d / BLOCK;
+    for (int64_t j = 0; j < n; j++) {
+        int64_t p = lo + j;
+        const uint8_t *page = pool + pages[p / s] * page_stride;
+        int64_t r = (int64_t)h * s + p % s;
+        k_scores(q, g, d, page + sec[0] + r * cb, page + sec[2] + r * sb, gs_k, sm_scale, row,
+                 scores + j, n);
+    }
+    for (int i = 0; i < g; i++) {
+        float *sc = scores + i * n, mx = -INFINITY, sum = 0.0f;
+        for (int64_t j = 0; j < n; j++) mx = fmaxf(mx, sc[j]);
+        for (int64_t j = 0; j < n; j++) { sc[j] = expf(sc[j] - mx); sum += sc[j]; }
+        float inv = 1.0f / sum;
+        for (int64_t j = 0; j < n; j++) sc[j] *= inv;
+    }
+    memset(out, 0, sizeof(float) * (size_t)g * d);
+    for (int64_t j = 0; j < n; j++) {
+        int64_t p = lo + j;
+        const uint8_t *page = pool + pages[p / s] * page_stride;
+        int64_t r = (int64_t)h * s + p % s;
+        v_accumulate(scores + j, n, g, d, page + sec[1] + r * cb, page + sec[3] + r * sb, gs_v,
+                     row, out);
+    }
+}
+
+int nb_decode_nvfp4(const float *q, int64_t q_stride, const float *k, int64_t k_stride,
+                    const float *v, int64_t v_stride, const float *cos, const float *sin,
+                    const float *k_map, const float *k_bias, const float *k_shift,
+                    const float *q_map, const float *v_shift,
+                    uint8_t *pool, int64_t page_stride, const int64_t *sec,
+                    int b_n, int h_n, int g_n, int d, int s,
+                    const int64_t *slots, const int64_t *page_ids, int m,
+                    const int64_t *lo, const int64_t *hi,
+                    float gs_k, float gs_v, float sm_scale, float *out) {
+    if (!ready) init_tables();
+    int hq = h_n * g_n, cb = d / 2, sb = d / BLOCK;
+    size_t qn = (size_t)hq * d, kn = (size_t)h_n * d;
+    float *buf = malloc(sizeof(float) * ((size_t)b_n * (qn + 2 * kn) + 2 * d));
+    if (!buf) return 2;
+    float *qt = buf, *kt = qt + (size_t)b_n * qn, *vt = kt + (size_t)b_n * kn;
+    float *tmp = vt + (size_t)b_n * kn, *tmp2 = tmp + d;
+    int bad = 0;
+    for (int b = 0; b < b_n; b++) {                 /* q, k, v as the store and SDPA see them */
+        const float *cs = cos ? cos + (size_t)b * d : NULL, *sn = sin ? sin + (size_t)b * d : NULL;
+        for (int hh = 0; hh < hq; hh++) {
+            const float *x = q + b * q_stride + (size_t)hh * d;
+            float *o = qt + b * qn + (size_t)hh * d;
+            if (cs) { rope(x, cs, sn, d, tmp); x = tmp; }
+            if (q_map) row_matmul(x, q_map + (size_t)(hh / g_n) * d * d, NULL, d, o);
+            else memcpy(o, x, sizeof(float) * d);
+        }
+        for (int hh = 0; hh < h_n; hh++) {
+            const float *x = k + b * k_stride + (size_t)hh * d, *y = v + b * v_stride + (size_t)hh * d;
+            float *ko = kt + b * kn + (size_t)hh * d, *vo = vt + b * kn + (size_t)hh * d;
+            if (cs) { rope(x, cs, sn, d, tmp2); x = tmp2; }
+            if (k_map) row_matmul(x, k_map + (size_t)hh * d * d, k_bias + (size_t)hh * d, d, ko);
+            else if (k_shift) for (int e = 0; e < d; e++) ko[e] = x[e] - k_shift[hh * d + e];
+            else memcpy(ko, x, sizeof(float) * d);
+            if (v_shift) for (int e = 0; e < d; e++) vo[e] = y[e] - v_shift[hh * d + e];
+            else memcpy(vo, y, sizeof(float) * d);
+            for (int e = 0; e < d; e++) bad |= !isfinite(ko[e]) | !isfinite(vo[e]);
+        }
+    }
+    if (bad) { free(buf); return 1; }
+    for (int b = 0; b < b_n; b++) {                 /* the store */
+        uint8_t *page = pool + (slots[b] / s) * page_stride;
+        int64_t off = slots[b] % s;
+        for (int hh = 0; hh < h_n; hh++) {
+            int64_t r = (int64_t)hh * s + off;
+            quantize_row(kt + b * kn + (size_t)hh * d, d, gs_k, page + sec[0] + r * cb, page + sec[2] + r * sb);
+            quantize_row(vt + b * kn + (size_t)hh * d, d, gs_v, page + sec[1] + r * cb, page + sec[3] + r * sb);
+        }
+    }
+    int64_t nmax = 1;
+    for (int b = 0; b < b_n; b++) if (hi[b] - lo[b] + 1 > nmax) nmax = hi[b] - lo[b] + 1;
+    float *scores = malloc(sizeof(float) * (size_t)(nmax * g_n + d));
+    if (!scores) { free(buf); return 2; }
+    for (int b = 0; b < b_n; b++)
+        for (int hh = 0; hh < h_n; hh++) {
+            float *o = out + (size_t)b * qn + (size_t)hh * g_n * d;
+            attend(qt + b * qn + (size_t)hh * g_n * d, g_n, d, s, pool, page_stride, sec,
+                   page_ids + (size_t)b * m, hh, lo[b], hi[b], gs_k, gs_v, sm_scale,
+                   scores, scores + nmax * g_n, o);
+            if (v_shift)                            /* the recipe's finish */
+                for (int i = 0; i < g_n; i++)
+                    for (int e = 0; e < d; e++) o[i * d + e] = o[i * d + e] + v_shift[hh * d + e];
+        }
+    free(scores);
+    free(buf);
+    return 0;
+}
