@@ -112,7 +112,8 @@ def grammar_spec(engine: EngineClient, body: SamplingFields,
         given.append(("response_format", GrammarSpec("json_object")))
     elif rf is not None and rf.type == "json_schema":
         given.append(("response_format", GrammarSpec(
-            "json_schema", json.dumps(rf.json_schema.schema_, sort_keys=True),
+            # the schema's own key order: xgrammar emits properties in that order
+            "json_schema", json.dumps(rf.json_schema.schema_),
             bool(rf.json_schema.strict))))
     for name in ("regex", "ebnf"):
         if getattr(body, name) is not None:
