@@ -113,7 +113,10 @@ class ServerProcess:
                 raise BenchServerError(f"server exited with {self.proc.returncode}; "
                                        f"log {self.log_path}:\n{self.log_tail()}")
             try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                # our server, not another process that took the port between free_port() and
+                # the bind (Ray starts many; one answered /health once): it logs the URL
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200 \
+                        and f"at {self.url} " in self.log_tail(1 << 20):
                     return
             except httpx.TransportError:
                 pass

@@ -124,7 +124,7 @@ def test_bad_parameters_are_400(client, model):
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=model, prompt="x", max_tokens=0)
     with pytest.raises(openai.BadRequestError):
-        client.completions.create(model=model, prompt="x", max_tokens=2, n=2)
+        client.completions.create(model=model, prompt="x", max_tokens=2, n=17)
 
 
 def test_unknown_model_is_404(client):
@@ -178,11 +178,15 @@ def test_completion_logprobs_and_logit_bias(client, model):
     assert forced.usage.completion_tokens == 3
 
 
-def test_unsupported_agent_fields_are_400_naming_them(client, model):
+def test_unsupported_or_contradictory_fields_are_400_naming_them(client, model):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model, prompt="x", max_tokens=2, best_of=3)
+    assert "best_of" in str(e.value)
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=model, messages=CAPITAL, max_tokens=4, tools=[
-            {"type": "function", "function": {"name": "f"}}])
-    assert "tools" in str(e.value)
+            {"type": "function", "function": {"name": "f"}}],
+            tool_choice={"type": "function", "function": {"name": "g"}})
+    assert "tool_choice" in str(e.value)
 
 
 CITY = {"type": "object", "additionalProperties": False,
