@@ -206,6 +206,8 @@ class H(http.server.BaseHTTPRequestHandler):
     def log_message(self, *a): pass
 srv = http.server.HTTPServer(("127.0.0.1", port), H)
 signal.signal(signal.SIGINT, lambda *a: sys.exit(0))
+if "--silent" not in sys.argv:     # as nibble serve logs its URL once it listens
+    print(f"fake server at http://127.0.0.1:{port} (ready)", flush=True)
 srv.serve_forever()
 """
 
@@ -217,6 +219,17 @@ def test_launched_waits_for_health_and_stops_by_pid(tmp_path):
         httpx.get(f"{url}/health", timeout=2)
     with pytest.raises(ConfigError):
         _server.ServerProcess(["--port", "1"], tmp_path / "t.log")
+
+
+def test_health_from_a_process_that_is_not_ours_does_not_count(tmp_path):
+    """/health answers, but the log never names the URL (another process took the port)."""
+    srv = _server.ServerProcess(["--silent"], tmp_path / "s.log",
+                                cmd=[sys.executable, "-c", FAKE_SERVER])
+    try:
+        with pytest.raises(_server.BenchServerError, match="not healthy"):
+            srv.wait_healthy(timeout_s=3)
+    finally:
+        srv.stop()
 
 
 def test_launched_reports_a_server_that_exits(tmp_path):
