@@ -36,8 +36,7 @@ class Prepared:
 
     gen_req: GenerateRequest
     stream: bool
-    fmt: Formatter
-    n: int = 1                  # choices: n engine requests, the prompt computed once
+    fmt: Formatter              # its ``n``: the choices (n engine requests, one prefill)
     echo: str = ""              # completions with echo: the prompt's text, before the output
 
 
@@ -183,7 +182,7 @@ def _finish_prepare(engine: EngineClient, body: SamplingFields, ids: list[int], 
     kw = {"tools": tools.parser} if tools is not None else {}
     fmt = fmt_cls(rid, engine.model_name, include_usage,
                   token_text(engine.tokenizer) if logprobs is not None else None, n, **kw)
-    return Prepared(gen_req, stream, fmt, n)
+    return Prepared(gen_req, stream, fmt)
 
 
 def token_text(tokenizer: Any):

@@ -117,7 +117,7 @@ async def _sse_stream(p: Prepared, streams: ChoiceStreams, first: RequestOutput
         for chunk in fmt.start_chunks():
             yield _sse(chunk)
         if p.echo:       # the choices share the prompt and its logprobs (choice 0's)
-            for i in range(p.n):
+            for i in range(p.fmt.n):
                 for chunk in fmt.text_chunks(i, p.echo, first.prompt_logprobs):
                     yield _sse(chunk)
 
@@ -158,7 +158,7 @@ async def respond(engine: EngineClient, request: Request, p: Prepared, track: Tr
     """Run a prepared request (its ``n`` choices); stream it as SSE or return one JSON body.
 
     ``track`` wraps the engine's output stream (metrics, in-flight set: tracking.py)."""
-    streams = ChoiceStreams(engine, choice_requests(p.gen_req, p.n), track)
+    streams = ChoiceStreams(engine, choice_requests(p.gen_req, p.fmt.n), track)
     try:
         if p.stream:
             first = await race_disconnect(request, streams.first())

@@ -86,9 +86,9 @@ class NibbleServicer(pb_grpc.NibbleServicer):
         rid = p.gen_req.request_id
         track = functools.partial(tracked, request_id=rid, timer=self.metrics.start_request(),
                                   inflight=self.inflight, owner=tenant)
-        streams = ChoiceStreams(self.engine, choice_requests(p.gen_req, p.n), track)
+        streams = ChoiceStreams(self.engine, choice_requests(p.gen_req, p.fmt.n), track)
         tools = getattr(p.fmt, "tools", None)
-        texts = [[] for _ in range(p.n)]
+        texts = [[] for _ in range(p.fmt.n)]
         failure: Exception | None = None
         try:
             first = await streams.first()

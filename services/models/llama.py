@@ -72,12 +72,7 @@ class DecoderLayer(nn.Module):
         a = self.arch
         t = x.shape[0]
         h = rms_norm(x, self.input_norm, a.rms_norm_eps)
-        qkv = F.linear(h, self.qkv_weight, self.qkv_bias)
-        o = fused_attention(attn, self.layer_id, QKVInput(
-            qkv, a.num_heads, a.num_kv_heads, a.head_dim, cos, sin, self.q_norm, self.k_norm,
-            a.rms_norm_eps))
-        if o is None:
-            o = self._attention(qkv, cos, sin, attn)
+        o = self._attend(F.linear(h, self.qkv_weight, self.qkv_bias), cos, sin, attn)
         x = x + self.tp_reduce(F.linear(o.reshape(t, a.q_size), self.o_weight, self.o_bias_0))
         h = rms_norm(x, self.post_norm, a.rms_norm_eps)
         gate, up = self._gate_up(h)
@@ -103,12 +98,7 @@ class DecoderLayer(nn.Module):
         a = self.arch
         t = x.shape[0]
         h, residual = add_rms_norm(x, residual, self.input_norm, a.rms_norm_eps)
-        qkv = F.linear(h, self.qkv_weight, self.qkv_bias)
-        o = fused_attention(attn, self.layer_id, QKVInput(
-            qkv, a.num_heads, a.num_kv_heads, a.head_dim, cos, sin, self.q_norm, self.k_norm,
-            a.rms_norm_eps))
-        if o is None:
-            o = self._attention(qkv, cos, sin, attn)
+        o = self._attend(F.linear(h, self.qkv_weight, self.qkv_bias), cos, sin, attn)
         o = self.tp_reduce(F.linear(o.reshape(t, a.q_size), self.o_weight, self.o_bias_0))
         h, residual = add_rms_norm(o, residual, self.post_norm, a.rms_norm_eps)
         return self.tp_reduce(F.linear(silu_mul(F.linear(h, self.gate_up_weight)),
@@ -123,6 +113,17 @@ class DecoderLayer(nn.Module):
             i = self.arch.intermediate_size
             return F.linear(h, self.gate_up_weight[:i]), F.linear(h, self.gate_up_weight[i:])
         return F.linear(h, self.gate_up_weight).chunk(2, dim=-1)
+
+    def _attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attn: AttentionFn) -> torch.Tensor:
+        """``[T, Hq, D]`` attention output from the QKV projection's output: the attention's
+        fused entry where it takes the step (the Triton kernels on CUDA, the C decode on CPU),
+        else the torch QK-norm and RoPE below and ``attn``."""
+        a = self.arch
+        o = fused_attention(attn, self.layer_id, QKVInput(
+            qkv, a.num_heads, a.num_kv_heads, a.head_dim, cos, sin, self.q_norm, self.k_norm,
+            a.rms_norm_eps))
+        return self._attention(qkv, cos, sin, attn) if o is None else o
 
     def _attention(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    attn: AttentionFn) -> torch.Tensor:
