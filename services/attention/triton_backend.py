@@ -7,10 +7,11 @@ lengths, the extend masks) and allocates the extend workspace; every layer's
 
 * **store**: one :func:`~nibble.kernels.triton.store_kv` launch per layer for all
   new tokens of the step;
-* **prefill** (no cached prefix): torch SDPA over the fresh K/V, per sequence;
-* **extend**: one :func:`~nibble.kernels.triton.gather_kv` launch per layer
-  dequantizes every extend sequence's prefix into the shared workspace, then
-  torch SDPA over prefix + chunk, per sequence;
+* **prefill and extend**: one :func:`~nibble.kernels.triton.gather_kv` launch per
+  layer dequantizes every extend sequence's prefix into the shared workspace, the
+  chunks' fresh K/V are copied after each prefix, then one ragged causal attention
+  (:func:`~nibble.kernels.ragged.ragged_causal_attention`: FlashAttention varlen on
+  CUDA, bottom-right causal, grouped KV heads, no mask) covers every sequence;
 * **fused decode step** (:meth:`~TritonAttentionBackend.forward_fused`, where the model
   hands over the QKV projection's output and every sequence of the step decodes): one
   :func:`~nibble.kernels.triton.qkv_rope_store` launch does QK-norm, RoPE, the K recipe
@@ -49,6 +50,7 @@ from ..models.base import QKVInput
 from .base import AttentionBackend, AttentionMetadata, RecipeHook, fresh_kv, register_backend
 from .decode_select import (CUDA_SM90, DecodeChoice, confirm_group, select_decode_impl,
                             select_store_impl)
+from .ragged_plan import RaggedPlan
 
 if TYPE_CHECKING:
     from ..config import DeviceConfig
@@ -117,6 +119,7 @@ class TritonAttentionBackend(AttentionBackend):
         self._gs: torch.Tensor | None = None                  # fp32 [L, 2] (k, v) global scales
         self._compute_dtype: torch.dtype | None = None   # learned from the first q
         self._ws: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._ragged: RaggedPlan | None = None
         self._recipe = RecipeHook(pool, pool.device)     # the format's calibrated K recipe
 
     def _store(self, pages, k: torch.Tensor, v: torch.Tensor, ks: torch.Tensor,
@@ -160,31 +163,19 @@ class TritonAttentionBackend(AttentionBackend):
 
         Builds: ``_slots`` int64 ``[T]``; for decode ``_dec_bt`` int32 ``[Bd, M]``,
         ``_dec_lens`` int32 ``[Bd]`` (cached + 1), ``_dec_rows`` int64 ``[Bd]``
-        (their rows in the token stream); for extend ``_ext_bt`` int32 ``[Be, M]``,
-        ``_ext_lens``/``_ext_cu`` int32 ``[Be]`` (prefix lengths, workspace start
-        rows) and one bool mask ``[n, c + n]`` per sequence.
+        (their rows in the token stream); for prefill and extend one
+        :class:`~.ragged_plan.RaggedPlan`.
         """
         dev = self.device
         self._refresh_scales()
         self._slots = meta.slot_mapping.to(dev, non_blocking=True)
         bt = meta.block_tables
         self._plan_decode(meta, bt)
+        self._ragged = RaggedPlan.build(meta, bt, dev)
         self._ws = None
-        if meta.extend:
-            lens = [meta.cached_lens[b] for b in meta.extend]
-            starts = [sum(lens[:i]) for i in range(len(lens))]
-            sel = torch.tensor(meta.extend)
-            self._ext_bt = bt.index_select(0, sel.to(bt.device)).contiguous().to(dev)
-            self._ext_lens = _dev_ints(lens, dev)
-            self._ext_cu = _dev_ints(starts, dev)
-            self._ext_starts = starts
-            self._ext_total = sum(lens)
-            self._ext_masks = [
-                torch.ones((meta.new_lens[b], c + meta.new_lens[b]), dtype=torch.bool)
-                .tril(diagonal=c).to(dev, non_blocking=True)
-                for b, c in zip(meta.extend, lens)]
-            if self._compute_dtype is not None:
-                self._ws = self._alloc_workspace(self._compute_dtype)
+        if self._ragged is not None and self._ragged.prefix_bt is not None \
+                and self._compute_dtype is not None:
+            self._ws = self._alloc_workspace(self._compute_dtype)
 
     def _plan_decode(self, meta: AttentionMetadata, bt: torch.Tensor) -> None:
         self._dec = bool(meta.decode)
@@ -228,6 +219,7 @@ class TritonAttentionBackend(AttentionBackend):
         self._refresh_scales()
         self._slots = slots
         self._dec, self._dec_direct = True, True
+        self._ragged = None
         self._dec_bt, self._dec_lens = block_tables, seq_lens
         self._dec_shape = (b, self.layout.num_kv_heads, max_seq_len)
         self._dec_splits = self._splits_fn(*self._dec_shape, self.device)
@@ -238,9 +230,9 @@ class TritonAttentionBackend(AttentionBackend):
         self._refresh_scales()
 
     def _alloc_workspace(self, compute_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step's extend workspace ``(k, v)``, each ``[sum(prefix lens), H, D]``."""
+        """The step's extend workspace ``(k, v)``, each ``[sum(prefix + chunk lens), H, D]``."""
         dtype = torch.float8_e4m3fn if self.fp8_fresh else compute_dtype
-        shape = (self._ext_total, self.layout.num_kv_heads, self.layout.head_dim)
+        shape = (self._ragged.num_k, self.layout.num_kv_heads, self.layout.head_dim)
         return (torch.empty(shape, dtype=dtype, device=self.device),
                 torch.empty(shape, dtype=dtype, device=self.device))
 
@@ -258,13 +250,8 @@ class TritonAttentionBackend(AttentionBackend):
         k, v = fresh_kv(k, self.fp8_fresh), fresh_kv(v, self.fp8_fresh)
         self._store(pages, k, v, ks, vs)
         out = torch.empty_like(q)
-        if meta.prefill or meta.extend:
-            k, v = k.to(q.dtype), v.to(q.dtype)
-        for b in meta.prefill:
-            s, n = meta.seq_starts[b], meta.new_lens[b]
-            out[s:s + n] = self._sdpa(q[s:s + n], k[s:s + n], v[s:s + n], causal=True)
-        if meta.extend:
-            self._extend(pages, q, k, v, meta, out, ks, vs)
+        if self._ragged is not None:
+            self._prefill_extend(pages, q, k.to(q.dtype), v.to(q.dtype), out, ks, vs)
         if self._dec:
             self._decode(pages, q, out, ks, vs)
         return self._recipe.finish(layer, out)
@@ -286,35 +273,21 @@ class TritonAttentionBackend(AttentionBackend):
         self._decode(pages, q, out, ks, vs)
         return self._recipe.finish(layer, out)
 
-    def _sdpa(self, q, k, v, causal=False, mask=None):
-        """q [Tq, Hq, D], k/v [Tk, H, D] -> [Tq, Hq, D] (GQA by head grouping).
-
-        K/V heads are repeated to Hq up front: every fused SDPA kernel (flash,
-        memory-efficient) then applies, so a 32K-token prefill never falls back
-        to the math kernel and its [Hq, Tq, Tk] score matrix.
-        """
-        group = q.shape[1] // k.shape[1]
-        if group > 1:
-            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        o = torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
-            v.transpose(0, 1).unsqueeze(0), attn_mask=mask, is_causal=causal,
-            scale=self.sm_scale)
-        return o.squeeze(0).transpose(0, 1)
-
-    def _extend(self, pages, q, k, v, meta, out, ks, vs) -> None:
-        """Gather every extend prefix in one launch, then attend per sequence."""
-        if self._ws is None or self._compute_dtype != q.dtype:
+    def _prefill_extend(self, pages, q, k, v, out, ks, vs) -> None:
+        """Every prefill and extend sequence in one ragged causal attention: the cached
+        prefixes are dequantized into the workspace in one launch, the chunks' fresh K/V
+        follow them there (see :class:`~.ragged_plan.RaggedPlan`)."""
+        plan = self._ragged
+        if plan.prefix_bt is not None and (self._ws is None or self._compute_dtype != q.dtype):
             # First step only: the compute dtype was not known at plan time.
             self._compute_dtype = q.dtype
             self._ws = self._alloc_workspace(q.dtype)
-        pk, pv = gather_kv(self.layout, pages, self._ext_bt, self._ext_lens, ks, vs,
-                           self._ws[0].dtype, cu_seqlens=self._ext_cu, out=self._ws)
-        for b, start, mask in zip(meta.extend, self._ext_starts, self._ext_masks):
-            s, n, c = meta.seq_starts[b], meta.new_lens[b], meta.cached_lens[b]
-            kk = torch.cat([pk[start:start + c].to(q.dtype), k[s:s + n]])
-            vv = torch.cat([pv[start:start + c].to(q.dtype), v[s:s + n]])
-            out[s:s + n] = self._sdpa(q[s:s + n], kk, vv, mask=mask)
+
+        def gather(bt, lens, starts, ws):
+            gather_kv(self.layout, pages, bt, lens, ks, vs, ws[0].dtype, cu_seqlens=starts,
+                      out=ws)
+
+        plan.attend(q, k, v, out, self.sm_scale, gather, self._ws)
 
     def _check_group(self, num_q_heads: int) -> None:
         """First decode without ``num_q_heads``: fall back to Triton for a group > 8."""
