@@ -255,8 +255,19 @@ def store_kv(layout: PageLayout, pages: LayerPages, k: torch.Tensor, v: torch.Te
     check_int_vector(slot_mapping, "slot_mapping", k.shape[0], k.device)
     if k.shape[0] == 0:
         return
+    k, v = _token_major(k), _token_major(v)
     rows = ROWS or 1 << (max(1, 32 * NUM_WARPS * 16 // k.shape[2]).bit_length() - 1)
     _launch(layout, pages, k, v, slot_mapping, k_scale, v_scale, rows, NUM_WARPS, TILES)
+
+
+def _token_major(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with strides that do not depend on ``T``: the kernel takes strides as
+    compile-time constants, so a head-major view (``[H, T, D]`` transposed, as the K
+    recipe's batched matmul returns) would compile a new kernel for every token count:
+    about a second per new prompt length on a GPU. Such a view is copied once instead."""
+    if x.shape[0] > 1 and x.shape[1] > 1 and x.stride(1) > x.stride(0):
+        return x.contiguous()
+    return x
 
 
 def _launch(layout: PageLayout, pages: LayerPages, k: torch.Tensor, v: torch.Tensor,

@@ -255,3 +255,25 @@ def test_store_rejects_bad_arguments():
         store_kv(layout, pages, k, k, slots, k_scale=0.0)
     with pytest.raises(KernelInputError, match="pages.k_data must be"):
         store_kv(PageLayout("bf16", 1, 2, 32, 16), pages, k, k, slots)
+
+
+def test_head_major_views_compile_one_kernel_for_every_token_count(monkeypatch):
+    """The K recipe hands the store ``[H, T, D]`` transposed. Its head stride is ``T * D``;
+    as a compile-time constant it made the GPU compile a new kernel per prompt length. The
+    wrapper copies such a view, so every token count launches with the same constants."""
+    layout = PageLayout("nvfp4", 1, 2, 64, 16)
+    seen = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: seen.append(
+                {n: x for n, x in kw.items() if n.startswith(("SK_", "SV_"))})
+
+    monkeypatch.setattr(store_mod, "_store_kv_kernel", Recorder())
+    from nibble.tiering import KVPool
+    pool = KVPool(layout, 8)
+    for t in (5, 9, 33):
+        k = torch.randn(2, t, 64).transpose(0, 1)          # [T, H, D], head stride T * D
+        v = torch.randn(t, 2, 64)
+        store_kv(layout, pool.layer(0), k, v, torch.arange(t))
+    assert len(seen) == 3 and seen[0] == seen[1] == seen[2], seen
