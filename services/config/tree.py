@@ -174,6 +174,12 @@ class SchedulerConfig:
     debug_checks: bool = flag(False, help="check the KV cache's bookkeeping "
                                           "(KVCacheManager.check_integrity) whenever the "
                                           "engine idles")
+    chunk_cost_context: int = flag(
+        0, help="weight prefill chunks by their attention cost: a chunk of n tokens after c "
+                "cached ones counts as n*(1+(c+n/2)/N) tokens against --max-prefill-tokens, so "
+                "a long prompt's chunks shrink as its prefix grows and a mixed step stays "
+                "short; N = the context at which a token's attention costs its forward pass; "
+                "-1 derives N from the model (Qwen3-8B: 11776); 0 counts tokens only")
 
 
 @dataclass(frozen=True)

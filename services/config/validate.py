@@ -18,6 +18,8 @@ def validate(cfg: NibbleConfig) -> None:
     if s.max_running_requests <= 0 or s.chunked_prefill_size <= 0 or s.max_prefill_tokens <= 0:
         raise ConfigError("--max-running-requests, --chunked-prefill-size and "
                           "--max-prefill-tokens must be > 0")
+    if s.chunk_cost_context < -1:
+        raise ConfigError("--chunk-cost-context must be >= 0, or -1 (from the model)")
     if s.max_queued_requests is not None and s.max_queued_requests < 0:
         raise ConfigError("--max-queued-requests must be >= 0")
     if s.schedule_conservativeness < 0:

@@ -27,6 +27,7 @@ from .engine import EngineCore
 from .grammar import (GrammarBackend, GrammarError, create_grammar_backend,
                       grammar_backend_names, share_backend)
 from .model_runner import ModelRunner
+from .step_budget import resolve_scheduler
 from .tier_setup import build_tiers, load_secret
 
 log = logging.getLogger(__name__)
@@ -195,7 +196,8 @@ def build_engine_core(model, tokenizer, cfg: NibbleConfig, *, device: torch.devi
         device.type == "cuda" and not cfg.scheduler.disable_overlap_schedule))
     runner = ModelRunner(model, backend, device, graphs)
     runner.grammar = build_grammar(cfg.sampling.grammar_backend, tokenizer, arch.vocab_size)
-    core = EngineCore(runner, pool, tokenizer, cfg.scheduler, context, cache, tiers,
+    core = EngineCore(runner, pool, tokenizer, resolve_scheduler(cfg.scheduler, arch),
+                      context, cache, tiers,
                       overlap=overlap)
     if tp.size > 1:           # what the whole group holds (each rank: its own KV heads)
         page_bytes = sum(tp.gather_ints(layout.page_nbytes))

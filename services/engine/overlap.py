@@ -1,6 +1,7 @@
 """Overlap scheduling: the host schedules and prepares step N+1 while the device runs step N.
 
-A pure decode step is *launched*, not waited for: its sampled ids stay in a device tensor
+A pure decode step, or one that also runs prompt chunks which sample nothing, is
+*launched*, not waited for: its sampled ids stay in a device tensor
 (``Launched.tokens``) that the next step reads as its input ids, and a non-blocking copy
 brings them to pinned host memory for the text one step later. Each sequence of a launched
 step gets a placeholder token (``Sequence.num_pending``) and its ``num_computed`` advances
@@ -10,8 +11,8 @@ at once, so the scheduler can plan the next step before the token is known.
 resolve N (wait for its copy, fill the placeholders, stop conditions, detokenize). So stop
 conditions are resolved one step late: a sequence that ended at N has also run in N+1, and
 that extra token is dropped (``Sequence.incarnation`` tells which tokens are stale). Any
-other step (a prefill chunk, a first token, a failed launch) resolves N first and runs
-synchronously. Pages stay correct because every step and every tier copy runs in order on
+other step (a prompt's last chunk, a first token, rows needing the host's tokens, a failed
+launch) resolves N first and runs synchronously. Pages stay correct because every step and every tier copy runs in order on
 one device stream: a page freed while N+1 still writes it is reused only by later work.
 """
 
@@ -35,7 +36,7 @@ log = logging.getLogger(__name__)
 class Launched:
     """A decode step whose sampled ids are still on their way to the host."""
 
-    picked: list[ScheduledSeq]       # the step's entries (every one samples), in row order
+    picked: list[ScheduledSeq]       # the step's sampling entries, in row order
     incarnations: list[int]          # each entry's Sequence.incarnation at launch
     tokens: torch.Tensor             # int64 [B] on the device: sampled ids, -1 for a bad row
     host: torch.Tensor               # int64 [>= B] host copy (pinned on CUDA)
@@ -71,9 +72,24 @@ class HostRing:
 def is_pure_decode(batch: ScheduledBatch, seqs: dict) -> bool:
     """Every entry runs one generated token and samples (no prefill chunk, no first token),
     and no entry's sampling needs the host's tokens (penalties, min_tokens, a grammar)."""
-    return bool(batch.seqs) and all(
-        len(e.token_ids) == 1 and e.sample and e.start_pos >= seqs[e.request_id].num_prompt
-        and e.sampling.overlappable for e in batch.seqs)
+    return bool(batch.seqs) and all(_decodes(e, seqs) for e in batch.seqs)
+
+
+def _decodes(e: ScheduledSeq, seqs: dict) -> bool:
+    return len(e.token_ids) == 1 and e.sample and \
+        e.start_pos >= seqs[e.request_id].num_prompt and e.sampling.overlappable
+
+
+def _mid_chunk(e: ScheduledSeq) -> bool:
+    """A chunk that samples nothing and whose ids are all known: the host needs nothing
+    back from it (no token, no prompt logprobs)."""
+    return not e.sample and e.sampling.prompt_logprobs is None and min(e.token_ids) >= 0
+
+
+def is_overlappable(batch: ScheduledBatch, seqs: dict) -> bool:
+    """Pure decodes plus prefill chunks that do not end their prompt: launched without
+    waiting, so a long prompt's chunks overlap the host's work like decode steps do."""
+    return bool(batch.seqs) and all(_decodes(e, seqs) or _mid_chunk(e) for e in batch.seqs)
 
 
 class OverlapStepper:
@@ -87,12 +103,13 @@ class OverlapStepper:
         self.inflight: Launched | None = None
         self.ring = HostRing(core.runner.device)
         self.launches = 0           # steps launched without waiting (for tests and metrics)
+        self.chunk_launches = 0     # of which ran prompt chunks
 
     def step(self) -> list[RequestOutput]:
         core = self.core
         batch = core.scheduler.schedule()
         prev = self.inflight
-        if is_pure_decode(batch, core._seqs):
+        if is_overlappable(batch, core._seqs):
             launched = self._launch(batch, prev)
             if launched is not None:
                 self.inflight = launched
@@ -117,13 +134,18 @@ class OverlapStepper:
         try:
             with torch.inference_mode():
                 ids = self._input_ids(seqs, prev)
+                picked = [e for e in seqs if e.sample]
                 if runner.graphs is not None and runner.graphs.applies(seqs):
                     logits = runner.graphs.run(seqs, page_size, ids)
                 else:
-                    logits = runner._forward(seqs, page_size, rows=True, ids=ids)
-                tokens, lps = runner.sample_tokens(seqs, logits)
-                host = self.ring.take(len(seqs))
-                host[:len(seqs)].copy_(tokens, non_blocking=True)
+                    logits = runner._forward(seqs, page_size, rows=True if picked else None,
+                                             ids=ids)
+                if picked:
+                    tokens, lps = runner.sample_tokens(picked, logits)
+                else:                   # prompt chunks only: nothing comes back
+                    tokens, lps = torch.empty(0, dtype=torch.int64, device=runner.device), None
+                host = self.ring.take(len(picked))
+                host[:len(picked)].copy_(tokens, non_blocking=True)
                 lps = lps.start_copy() if lps is not None else None
                 event = None
                 if tokens.is_cuda:
@@ -135,26 +157,33 @@ class OverlapStepper:
             log.warning("launching an overlapped step failed (%s); running it synchronously",
                         describe(exc))
             return None
-        launched = Launched(list(seqs), [core._seqs[e.request_id].incarnation for e in seqs],
-                            tokens, host, event, {e.request_id: i for i, e in enumerate(seqs)},
+        launched = Launched(picked, [core._seqs[e.request_id].incarnation for e in picked],
+                            tokens, host, event, {e.request_id: i for i, e in enumerate(picked)},
                             lps)
         for e in seqs:              # optimistic: the step ran, its token is on its way
             seq = core._seqs[e.request_id]
+            if not e.sample:        # a prompt chunk: computed, nothing to wait for
+                core.num_prompt_tokens_computed += max(
+                    0, min(len(e.token_ids), seq.num_prompt - seq.num_computed))
+                seq.num_computed += len(e.token_ids)
+                continue
             seq.num_computed += 1
             seq.token_ids.append(-1)
             seq.num_pending += 1
         self.launches += 1
+        self.chunk_launches += len(picked) < len(seqs)
         return launched
 
     def _input_ids(self, seqs: list[ScheduledSeq], prev: Launched | None) -> torch.Tensor:
-        """int64 ``[len(seqs)]`` on the device: a known id from the host, a placeholder's
-        from the previous step's device tensor (no wait for it)."""
+        """int64 ``[T]`` on the device (every entry's ids, in order): a known id from the host,
+        a placeholder's (a decode's only id) from the previous step's device tensor (no wait
+        for it)."""
         device = self.core.runner.device
-        known = [e.token_ids[0] for e in seqs]
+        known = [t for e in seqs for t in e.token_ids]
         if all(t >= 0 for t in known):
             return torch.tensor(known, dtype=torch.int64).to(device, non_blocking=True)
         assert prev is not None, "a placeholder input without a step in flight"
-        src = [prev.rows[e.request_id] if t < 0 else -1 for e, t in zip(seqs, known)]
+        src = [prev.rows[e.request_id] if t < 0 else -1 for e in seqs for t in e.token_ids]
         packed = torch.tensor([known, src], dtype=torch.int64).to(device, non_blocking=True)
         # a bad row's -1 becomes 0: that sequence is rolled back and this step's token dropped
         from_prev = prev.tokens.clamp(min=0)[packed[1].clamp(min=0)]

@@ -1,7 +1,9 @@
 """Continuous-batching scheduler with prefix reuse, capacity-driven admission and preemption.
 
 Each step every running sequence gets ``min(remaining, chunked_prefill_size,
-budget)`` tokens: one for a decode, a chunk for a prefill; decodes go first.
+budget)`` tokens: one for a decode, a chunk for a prefill; decodes go first. With
+``chunk_cost_context`` a chunk's cost grows with its cached prefix
+(``step_budget.py``), so chunks of a long prompt shrink as it proceeds.
 Waiting requests are admitted (FCFS, or longest prefix match first with
 ``lpm``) while the batch has room and the pool can hold them: a request is
 admitted only if the free pages, minus a reserve for the tokens the running
@@ -30,6 +32,7 @@ from nibble.tiering.kv_cache_manager import KVCacheManager, PageId
 from ..config import SchedulerConfig
 from ..errors import InvalidRequestError
 from .sequence import Sequence, SeqStatus
+from .step_budget import chunk_cost, max_chunk
 from .types import ScheduledBatch, ScheduledSeq
 
 log = logging.getLogger(__name__)
@@ -51,6 +54,10 @@ class Scheduler:
         self.kv = kv
         self.connector = connector
         self.page_size = kv.page_size
+        # 0: the budget counts tokens; else chunks are cost-weighted (step_budget.py). -1
+        # (from the model) is resolved by the builder; a bare scheduler counts tokens.
+        self.cost_ctx = max(0, cfg.chunk_cost_context)
+        self.min_chunk = max(self.page_size, cfg.chunked_prefill_size // 8)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0                      # totals, for metrics and tests
@@ -119,7 +126,7 @@ class Scheduler:
             ranked = sorted(self.waiting, key=lambda s: -self.kv.match(s).num_pages)
             self.waiting = deque(ranked)
 
-    def _try_admit(self, seq: Sequence, budget: int) -> int | None:
+    def _try_admit(self, seq: Sequence, budget: float, alone: bool) -> int | None:
         """Admit ``seq`` with its cached prefix; return its first chunk size.
 
         0: not enough room (stop admitting); None: its prefetch is still running.
@@ -129,7 +136,9 @@ class Scheduler:
         hit = self.kv.match(seq)
         if not self.kv.ready(seq, hit):
             return None
-        handle = self.kv.admit(seq, hit, min(self.cfg.chunked_prefill_size, budget),
+        if not self._chunk(seq, budget, hit.num_pages * self.page_size, alone):
+            return 0                 # only a sliver of the budget is left: admit next step
+        handle = self.kv.admit(seq, hit, min(self.cfg.chunked_prefill_size, int(budget)),
                                headroom=self.reserved_pages(),
                                future=self.future_decode_pages(seq))
         if handle is None:
@@ -141,7 +150,19 @@ class Scheduler:
             tiers = None if self.kv.tiers is None or seq.no_reuse else \
                 {"l1": handle.from_l1 * ps, "l2": handle.from_l2 * ps, "l3": handle.from_l3 * ps}
             self._started(seq, seq.num_computed, tiers)
-        return min(seq.remaining, self.cfg.chunked_prefill_size, budget)
+        return self._chunk(seq, budget, seq.num_computed, True)
+
+    def _chunk(self, seq: Sequence, budget: float, cached: int, alone: bool) -> int:
+        """Tokens of ``seq`` this step: a decode's one, or a prefill chunk that fits the
+        budget at its cost (``step_budget.chunk_cost``) after ``cached`` tokens. With costs,
+        0 for a chunk below ``min_chunk`` unless it is the step's first (``alone``): the
+        budget's leftovers would otherwise start every waiting prompt in slivers."""
+        n = min(seq.remaining, self.cfg.chunked_prefill_size, max(1, int(budget)))
+        if seq.remaining > 1 and self.cost_ctx:
+            n = min(n, max_chunk(budget, cached, self.cost_ctx))
+            if not alone and n < min(seq.remaining, self.min_chunk):
+                return 0
+        return n
 
     def _started(self, seq: Sequence, cached: int, by_tier: dict[str, int] | None,
                  gate: bool = True) -> None:
@@ -186,10 +207,14 @@ class Scheduler:
         budget = self.cfg.max_prefill_tokens
         out: list[ScheduledSeq] = []
         scheduled: set[str] = set()
+        alone = True                 # no prompt chunk in this step yet
         for seq in sorted(self.running, key=lambda s: s.remaining != 1):
             if seq.status is not SeqStatus.RUNNING or budget <= 0 or seq.fully_scheduled:
                 continue
-            n = min(seq.remaining, self.cfg.chunked_prefill_size, budget)
+            n = self._chunk(seq, budget, seq.num_computed, alone)
+            if not n:
+                continue
+            cost = chunk_cost(n, seq.num_computed, self.cost_ctx)
             while not self._grow(seq, n):
                 # Newest sequence not yet in this step's batch; else seq itself.
                 victim = next((s for s in reversed(self.running)
@@ -200,12 +225,13 @@ class Scheduler:
             if seq.status is SeqStatus.RUNNING:
                 out.append(self._entry(seq, n))
                 scheduled.add(seq.request_id)
-                budget -= n
+                budget -= cost
+                alone = alone and n == 1
         self._order_waiting()
         for seq in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.cfg.max_running_requests:
                 break
-            n = self._try_admit(seq, budget)
+            n = self._try_admit(seq, budget, alone)
             if n is None:           # prefetch in flight: let later requests go first
                 continue
             if not n:
@@ -215,7 +241,8 @@ class Scheduler:
             self.running.append(seq)
             out.append(self._entry(seq, n))
             scheduled.add(seq.request_id)
-            budget -= n
+            budget -= chunk_cost(n, seq.num_computed, self.cost_ctx)
+            alone = False
         if not out and self.waiting:
             self.kv.wait(IDLE_WAIT_S)
         return ScheduledBatch(out)

@@ -139,3 +139,25 @@ def test_overlap_on_the_gpu_with_cuda_graphs(kv):
     assert got == ref
     assert eng.overlap.launches >= 6 and eng.runner.graphs.replays >= 6
     pages_balance(eng)
+
+
+def test_prompt_chunks_are_launched_ahead_beside_decodes(fp32_model):
+    """A long prompt's chunks that sample nothing are launched like decode steps, beside the
+    running decodes; its last chunk (which samples) runs synchronously. Same tokens."""
+    def reqs():
+        return [greedy("d", PROMPT[:9], n=14), greedy("long", PROMPT[2:60], n=4),
+                greedy("late", PROMPT[11:50], n=5)]
+    ref, got, eng = both(fp32_model, reqs, chunked_prefill_size=8, max_prefill_tokens=12)
+    assert got == ref
+    assert eng.overlap.chunk_launches >= 6
+    pages_balance(eng)
+
+
+def test_prompt_chunks_in_flight_survive_preemption(fp32_model):
+    def reqs():
+        return [greedy(f"q{i}", PROMPT[i:i + 30 + 4 * i], n=12) for i in range(4)]
+    ref, got, eng = both(fp32_model, reqs, num_pages=7, schedule_conservativeness=0.0,
+                         chunked_prefill_size=8, max_prefill_tokens=16)
+    assert eng.scheduler.num_preemptions > 0 and eng.overlap.chunk_launches > 0
+    assert got == ref
+    pages_balance(eng)
