@@ -94,6 +94,3 @@ def _validate_tp(cfg: NibbleConfig) -> None:
     if cfg.disagg.disaggregate:
         raise ConfigError("--tp-size > 1 with --disaggregate is not supported yet (per-rank "
                           "page transfer between worker groups)")
-    if cfg.hicache.enable_hierarchical_cache:
-        raise ConfigError("--tp-size > 1 with --enable-hierarchical-cache is not supported "
-                          "yet (L2/L3 page records per rank)")

@@ -218,8 +218,12 @@ def test_full_command_line_round_trip(tmp_path):
     (["--tp-size", "0"], "--tp-size must be >= 1"),
     (["--tp-size", "2", "--device", "cuda"], "runs on CPU"),
     (["--tp-size", "2", "--disaggregate"], "--disaggregate is not supported yet"),
-    (["--tp-size", "2", "--enable-hierarchical-cache"], "page records per rank"),
 ])
 def test_tensor_parallel_limits_are_refused_by_name(args, needle):
     with pytest.raises(ConfigError, match=needle):
         parse(*args)
+
+
+def test_tensor_parallel_takes_the_hierarchical_cache():
+    cfg = parse("--tp-size", "2", "--device", "cpu", "--enable-hierarchical-cache")
+    assert cfg.device.tp_size == 2 and cfg.hicache.enable_hierarchical_cache
