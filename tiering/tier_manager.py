@@ -206,7 +206,7 @@ class TierManager:
                 self.journal.append(("persist", slot, key))
             rkey = self.record_key(key)
             record = encode_page(self.header(), self.host.data[slot], key=rkey, secret=self.secret)
-            self.worker.submit("persist", [(rkey, record)])
+            self.worker.submit("persist", [(key, rkey, record)])
 
     def poll(self) -> None:
         """Apply finished background work (engine thread, once per step)."""

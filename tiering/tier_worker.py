@@ -121,19 +121,20 @@ class TierWorker:
         self.done.put(("backup", job_id))
         if self.storage is not None and written:
             header = self.header_fn()
-            items = [(self.record_key(k), s) for k, s in written]
-            self._persist([(r, encode_page(header, self.host.data[s], key=r, secret=self.secret))
-                           for r, s in items])
+            items = [(k, self.record_key(k), s) for k, s in written]
+            self._persist([(k, r, encode_page(header, self.host.data[s], key=r,
+                                              secret=self.secret)) for k, r, s in items])
 
-    def _persist(self, items: list[tuple[bytes, bytes]]) -> None:
+    def _persist(self, items: list[tuple[bytes, bytes, bytes]]) -> None:
+        """Write ``(content key, record key, record)`` items; events name the content key."""
         for i in range(0, len(items), BATCH):
             chunk = items[i:i + BATCH]
-            stored = self.storage.put_batch(chunk)
+            stored = self.storage.put_batch([(r, v) for _, r, v in chunk])
             if stored == len(chunk):
-                self._emit("stored", "l3", [k for k, _ in chunk])
+                self._emit("stored", "l3", [k for k, _, _ in chunk])
             self.counters["l3_written"] += stored
             self.counters["l3_write_failed"] += len(chunk) - stored
-            self.counters["l3_bytes_written"] += sum(len(v) for _, v in chunk[:stored])
+            self.counters["l3_bytes_written"] += sum(len(v) for _, _, v in chunk[:stored])
 
     def _fetch(self, request_id: str, pf: Prefetch) -> None:
         """Read a run of keys from L3 into L2, stopping at the first miss or rejected record."""
@@ -158,7 +159,7 @@ class TierWorker:
                     payload = decode_page(blob, header, key=rkey, secret=self.secret)
                     check_finite(self.layout, payload, header)
                 except PageRecordError as e:
-                    self._reject(rkey, e)
+                    self._reject(key, rkey, e)
                     pf.corrupt += 1
                     pf.done = True
                     return
@@ -175,12 +176,13 @@ class TierWorker:
                 self.counters["l3_read"] += 1
         pf.done = True
 
-    def _reject(self, key: bytes, err: PageRecordError) -> None:
-        """Count a refused L3 record and delete it (best effort) unless it is merely stale:
-        a stale record is genuine, for another pool state, and this pool's write replaces it."""
+    def _reject(self, key: bytes, rkey: bytes, err: PageRecordError) -> None:
+        """Count a refused L3 record (``rkey``, of content ``key``) and delete it (best
+        effort) unless it is merely stale: a stale record is genuine, for another pool
+        state, and this pool's write replaces it."""
         log.warning("rejected an L3 page record (%s): %s; recomputing the page", err.reason, err)
         self.counters["l3_corrupt"] += 1
         self.counters[f"l3_rejected_{err.reason}"] += 1
-        if err.reason != "stale" and self.storage.delete_batch([key]):
+        if err.reason != "stale" and self.storage.delete_batch([rkey]):
             self.counters["l3_deleted_rejected"] += 1
             self._emit("removed", "l3", [key])

@@ -88,6 +88,8 @@ def test_each_rank_writes_its_own_records(store):
             [True] * 3
     assert store.exists_batch(keys) == [False] * 3          # nothing under the plain key
     assert keys != manager(store, (1, 0)).tiers.keys("", PROMPT, 3)   # TP size in the root
+    events, _ = kv0.tiers.events.since(0)                    # events name the content keys
+    assert {k for e in events if (e.kind, e.tier) == ("stored", "l3") for k in e.keys} == {k.hex() for k in keys}
 
 
 def test_a_rank_gets_its_own_pages_back_bit_identical(store):
