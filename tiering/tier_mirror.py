@@ -28,6 +28,10 @@ complete (no record, or one refused by ``page_record``: forged, another shard or
 size, damaged), and rank 0 keeps a fetched page out of L2 until every rank has
 answered, dropping the ones any rank lacks, so a hit always covers every shard (the
 rest is recomputed).
+
+A follower's L3 reads and writes run inline when it replays, before the step's forward
+(rank 0's run on its tier worker): fine for the CPU groups of this version; a GPU group
+would give the followers a worker thread of their own.
 """
 
 from __future__ import annotations

@@ -196,3 +196,31 @@ def test_a_follower_replays_rank0s_write_back_and_load(store):
     kv.tiers.sync()
     for page, w in zip(again.pages[:3], want):
         assert torch.equal(follower.pages[page], w)
+
+
+def test_write_back_l2_evictions_persist_every_ranks_record(store):
+    """write_back with a 3-slot L2: a second prompt pushes the first one's pages out of L2,
+    and both rank 0 and (replaying) the follower write their own L3 records of them."""
+    pool = KVPool(LAYOUT, 16)
+    cache = RadixCache(PS, pool)
+    tm = TierManager(pool, cache, "m", HostPool(LAYOUT, 3), store,
+                     TierPolicy(write_policy="write_back"), secret=SECRET, tp=(2, 0))
+    kv = KVCacheManager(pool, cache, tm)
+    follower = KVPool(LAYOUT, 16)
+    mirror = TierMirror(follower, 3, store, secret=SECRET, tp=(2, 1))
+    tm.mirror = mirror.apply
+    for n, prompt in enumerate((PROMPT, [t + 50 for t in PROMPT])):
+        req = Req(f"p{n}", list(prompt))
+        h = kv.admit(req, kv.match(req), 64, headroom=0, future=0)
+        _fill(pool, h.pages, n)
+        _fill(follower, h.pages, 10 + n)
+        kv.commit(h, req.token_ids)
+        kv.release(h)
+        assert len(kv.evict(16)) >= 3                       # L1 -> L2 (write-back)
+        tm.sync()
+    assert tm.drain()
+    keys = tm.keys("", PROMPT, 3)
+    for rank in (0, 1):
+        assert store.exists_batch([record_key(k, 2, rank, secret=SECRET) for k in keys]) == \
+            [True] * 3, rank
+    assert mirror.counters["l3_written"] == 3
