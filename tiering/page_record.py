@@ -124,7 +124,10 @@ def encode_page(header: PageHeader, payload: torch.Tensor | bytes, *, key: bytes
     ``payload``: uint8 ``[num_layers, layer_nbytes]`` (or raw bytes)."""
     body = payload if isinstance(payload, bytes) else memoryview(
         payload.contiguous().numpy()).cast("B")
-    head = json.dumps(header.__dict__, separators=(",", ":")).encode()
+    fields = dict(header.__dict__)
+    if header.tp_size == 1:           # one rank: the header of the records before TP (readable
+        del fields["tp_size"], fields["tp_rank"]   # by every version; they decode as 1, 0)
+    head = json.dumps(fields, separators=(",", ":")).encode()
     prefix = _PREFIX.pack(MAGIC, RECORD_VERSION, len(head))
     return b"".join((prefix, head, _tag(secret, key, prefix, head, body), body))
 

@@ -224,3 +224,15 @@ def test_write_back_l2_evictions_persist_every_ranks_record(store):
         assert store.exists_batch([record_key(k, 2, rank, secret=SECRET) for k in keys]) == \
             [True] * 3, rank
     assert mirror.counters["l3_written"] == 3
+
+
+def test_one_rank_records_keep_the_header_of_before():
+    """TP=1 records carry no TP fields (older readers take them); they decode as rank 0 of 1."""
+    from nibble.tiering.page_record import PageHeader, encode_page
+    pool = KVPool(LAYOUT, 1)
+    h1 = PageHeader.for_pool(LAYOUT, 0, pool.global_scales)
+    blob = encode_page(h1, pool.pages[0], key=b"k", secret=SECRET)
+    assert b"tp_size" not in blob
+    decode_page(blob, h1, key=b"k", secret=SECRET)
+    h2 = PageHeader.for_pool(LAYOUT, 0, pool.global_scales, tp=(2, 1))
+    assert b'"tp_size":2,"tp_rank":1' in encode_page(h2, pool.pages[0], key=b"k", secret=SECRET)
