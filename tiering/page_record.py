@@ -7,7 +7,8 @@ Record layout (little endian)::
     header_len I    length of the JSON header that follows
     header     JSON {format, layout_version, page_size, num_layers, num_kv_heads,
                      head_dim, scale_version, global_scales: [[k, v] per layer],
-                     recipe: digest of the K-recipe parameters or ""}
+                     recipe: digest of the K-recipe parameters or "",
+                     tp_size, tp_rank: the tensor-parallel shard the page holds}
     tag        32s  HMAC-SHA256 under the secret's "page-record" key over
                     (content key, magic/version/header_len, header, payload)
     payload    the page's bytes exactly as in the pool (all layers, codes and scales)
@@ -24,9 +25,19 @@ finite, whoever wrote it.
 Keys: ``page_key(prev, tokens)`` chains HMAC-SHA256 under the secret's
 "page-key" key over the previous page's key and this page's token ids; the
 chain starts at ``namespace_root(...)``, which (under the same key) covers the
-model fingerprint, KV format, layout, K-recipe parameters and tenant salt, so
-no two models, formats, layouts, calibrations or tenants share a key, and no
-key can be computed, or a guessed prompt confirmed, without the secret.
+model fingerprint, KV format, layout, K-recipe parameters, tenant salt and the
+tensor-parallel size, so no two models, formats, layouts, calibrations, tenants or
+TP sizes share a key, and no key can be computed, or a guessed prompt confirmed,
+without the secret.
+
+Tensor parallelism: every rank holds its own KV heads in the same page ids, so a
+page is one record per rank. The chain key is the page's *logical* key (the same on
+every rank: what the radix tree, L2 and KV events use); the key a rank stores its
+record under in L3 is ``record_key(key, tp_size, tp_rank)``, and the authenticated
+header carries ``tp_size`` and ``tp_rank``: a record cannot be read under another
+rank's key (its key is in the tag), nor pass for another shard or TP size (its
+header is in the tag and must equal the pool's). With one rank the record key is the
+chain key, as before.
 """
 
 from __future__ import annotations
@@ -55,6 +66,7 @@ _LEN = struct.Struct("<I")
 _MAC_DOMAIN = b"nibble-page-record-v2\0"
 _NS_DOMAIN = b"nibble-ns-v2\0"
 _PAGE_DOMAIN = b"nibble-page-v2\0"
+_RANK_DOMAIN = b"nibble-rank-v1\0"
 
 #: Why a record was refused (the ``reason`` label of the rejected-records metric).
 REJECT_REASONS = ("auth", "malformed", "stale", "nonfinite")
@@ -85,13 +97,17 @@ class PageHeader:
     scale_version: int
     global_scales: tuple[tuple[float, float], ...]
     recipe: str = ""            # KVPool.recipe_digest: the K-recipe parameters ("" = none)
+    tp_size: int = 1            # tensor-parallel group size the page was written by
+    tp_rank: int = 0            # and the rank (its shard of KV heads)
 
     @classmethod
     def for_pool(cls, layout: PageLayout, scale_version: int, global_scales: torch.Tensor,
-                 recipe: str = "") -> "PageHeader":
+                 recipe: str = "", tp: tuple[int, int] = (1, 0)) -> "PageHeader":
+        """``global_scales``: float32 ``[num_layers, 2]``; ``tp``: (size, rank)."""
         scales = tuple((float(k), float(v)) for k, v in global_scales.tolist())
         return cls(layout.kv_format, layout.VERSION, layout.page_size, layout.num_layers,
-                   layout.num_kv_heads, layout.head_dim, scale_version, scales, recipe)
+                   layout.num_kv_heads, layout.head_dim, scale_version, scales, recipe,
+                   tp[0], tp[1])
 
 
 def _tag(secret: KVSecret, key: bytes, prefix: bytes, head: bytes, body) -> bytes:
@@ -108,7 +124,10 @@ def encode_page(header: PageHeader, payload: torch.Tensor | bytes, *, key: bytes
     ``payload``: uint8 ``[num_layers, layer_nbytes]`` (or raw bytes)."""
     body = payload if isinstance(payload, bytes) else memoryview(
         payload.contiguous().numpy()).cast("B")
-    head = json.dumps(header.__dict__, separators=(",", ":")).encode()
+    fields = dict(header.__dict__)
+    if header.tp_size == 1:           # one rank: the header of the records before TP (readable
+        del fields["tp_size"], fields["tp_rank"]   # by every version; they decode as 1, 0)
+    head = json.dumps(fields, separators=(",", ":")).encode()
     prefix = _PREFIX.pack(MAGIC, RECORD_VERSION, len(head))
     return b"".join((prefix, head, _tag(secret, key, prefix, head, body), body))
 
@@ -145,6 +164,11 @@ def decode_page(blob: bytes, expect: PageHeader, *, key: bytes, secret: KVSecret
         raise PageRecordError(
             f"page record was written with K-recipe parameters {header.recipe or 'none'!r}, "
             f"this pool uses {expect.recipe or 'none'!r} (another calibration): recompute",
+            "stale")
+    if (header.tp_size, header.tp_rank) != (expect.tp_size, expect.tp_rank):
+        raise PageRecordError(
+            f"page record holds tensor-parallel rank {header.tp_rank} of {header.tp_size}, "
+            f"this pool is rank {expect.tp_rank} of {expect.tp_size} (another shard): recompute",
             "stale")
     if header != expect:
         raise PageRecordError(f"page record header {header} does not match the pool {expect}",
@@ -193,13 +217,28 @@ def check_finite(layout: PageLayout, payload, header: PageHeader | None = None) 
 
 
 def namespace_root(model_fingerprint: str, layout: PageLayout, tenant: str,
-                   recipe: str = "", *, secret: KVSecret) -> bytes:
-    """The chain's first key: model, format, layout geometry, tenant salt and the
-    K-recipe parameters' digest (``KVPool.recipe_digest``; "" adds nothing), keyed."""
+                   recipe: str = "", *, secret: KVSecret, tp_size: int = 1) -> bytes:
+    """The chain's first key: model, format, layout geometry, tenant salt, the
+    K-recipe parameters' digest (``KVPool.recipe_digest``; "" adds nothing) and the
+    tensor-parallel size (1 adds nothing), keyed. The rank is not in it: the chain is
+    the page's logical key, the same on every rank (``record_key`` adds the rank)."""
     ident = [model_fingerprint, layout.kv_format, layout.VERSION, layout.page_size,
              layout.num_layers, layout.num_kv_heads, layout.head_dim, tenant]
-    ident = json.dumps(ident + [recipe] if recipe else ident)
-    return hmac.digest(secret.derive("page-key"), _NS_DOMAIN + ident.encode(), "sha256")
+    if recipe:
+        ident.append(recipe)
+    if tp_size != 1:
+        ident.append(f"tp{tp_size}")
+    return hmac.digest(secret.derive("page-key"), _NS_DOMAIN + json.dumps(ident).encode(),
+                       "sha256")
+
+
+def record_key(key: bytes, tp_size: int, tp_rank: int, *, secret: KVSecret) -> bytes:
+    """The L3 key of rank ``tp_rank``'s record of the page with logical ``key`` (keyed:
+    HMAC over the key, the size and the rank); ``key`` itself when ``tp_size`` is 1."""
+    if tp_size == 1:
+        return key
+    return hmac.digest(secret.derive("page-key"),
+                       _RANK_DOMAIN + key + struct.pack("<II", tp_size, tp_rank), "sha256")
 
 
 def page_key(prev: bytes, tokens: Sequence[int], *, secret: KVSecret) -> bytes:

@@ -21,6 +21,9 @@
   fetched pages would take (so a read is used, not wasted, on an idle server);
   ``wait_complete`` holds it until the prefetch ends, ``timeout`` at most
   ``prefetch_timeout_s``. Held requests let later ones be admitted meanwhile.
+* **Tensor parallelism** (``tp`` size > 1, rank 0): every move is also written to a
+  ``TierJournal`` that the other ranks replay on their own pool (``tier_mirror``); a
+  fetched page joins L2 only once every rank has its record (``sync``).
 * **Trust.** Keys are keyed hashes and L3 records carry an HMAC under the
   deployment's KV secret (``page_record``); a record that fails verification,
   or holds non-finite scales, is counted, deleted from L3 and recomputed.
@@ -38,9 +41,11 @@ from .errors import CacheArgumentError
 from .events import KVEventLog
 from .host_pool import HostPool
 from .kv_pool import KVPool
-from .page_record import REJECT_REASONS, PageHeader, chain_keys, encode_page, namespace_root
+from .page_record import (REJECT_REASONS, PageHeader, chain_keys, encode_page, namespace_root,
+                          record_key)
 from .radix_cache import RadixCache
 from .secret import KVSecret
+from .tier_mirror import TierJournal
 from .tier_worker import Prefetch, TierWorker
 
 log = logging.getLogger(__name__)
@@ -70,17 +75,22 @@ class LoadResult:
 class TierManager:
     """``secret``: the deployment's KV secret (keys and record tags); None makes an ephemeral
     one, so this process's L3 records are unreadable to any other. ``clock``: monotonic
-    seconds (injectable for tests)."""
+    seconds (injectable for tests). ``tp``: (size, rank) of the tensor-parallel group this
+    pool is a shard of: the size goes into the content keys' namespace, and L3 records are
+    stored under ``record_key(key, size, rank)`` with both in their authenticated header
+    (``page_record``), so no record reaches another shard or TP size."""
 
     def __init__(self, pool: KVPool, cache: RadixCache, fingerprint: str,
                  host: HostPool | None, storage=None, policy: TierPolicy = TierPolicy(), *,
-                 secret: KVSecret | None = None, clock: Callable[[], float] = time.monotonic):
+                 secret: KVSecret | None = None, clock: Callable[[], float] = time.monotonic,
+                 tp: tuple[int, int] = (1, 0)):
         if policy.write_policy not in WRITE_POLICIES or policy.prefetch_policy not in PREFETCH_POLICIES:
             raise CacheArgumentError(f"bad tier policy {policy}")
         self.pool, self.cache, self.host, self.storage = pool, cache, host, storage
         self.policy = policy
         self.secret = secret if secret is not None else KVSecret.generate()
         self.clock = clock
+        self.tp = tp
         self.fingerprint = fingerprint
         self.page_size = pool.layout.page_size
         self._roots: dict[str, bytes] = {}
@@ -94,24 +104,34 @@ class TierManager:
         self.prefill_tok_s = 0.0
         self.counters = {"l1_hit_pages": 0, "l2_hit_pages": 0, "l3_hit_pages": 0,
                          "l2_to_l1_pages": 0, "l1_to_l2_evict_pages": 0,
-                         "prefetch_skipped_slow": 0, "load_seconds": 0.0, "loads": 0}
+                         "prefetch_skipped_slow": 0, "load_seconds": 0.0, "loads": 0,
+                         "l3_peer_missing": 0}
         self.events = KVEventLog()
+        # tensor parallel: the moves the other ranks replay, and how they are sent to them
+        # (``mirror(ops) -> keys some rank could not fetch``; set by the engine's builder)
+        self.journal = TierJournal() if tp[0] > 1 else None
+        self.mirror: Callable[[list[tuple]], list[bytes]] | None = None
         self.worker = TierWorker(pool.pages, host, storage, self.header, self.events,
-                                 layout=pool.layout, secret=self.secret)
+                                 layout=pool.layout, secret=self.secret,
+                                 record_key=self.record_key, journal=self.journal)
         if host is not None:
             host.on_evict = self._on_l2_evict
 
     # ---- identity ----
     def header(self) -> PageHeader:
         return PageHeader.for_pool(self.pool.layout, self.pool.scale_version, self.pool.global_scales,
-                                   self.pool.recipe_digest)
+                                   self.pool.recipe_digest, self.tp)
+
+    def record_key(self, key: bytes) -> bytes:
+        """The L3 key of this rank's record of the page with content ``key``."""
+        return record_key(key, self.tp[0], self.tp[1], secret=self.secret)
 
     def keys(self, namespace: str, tokens, num_pages: int) -> list[bytes]:
         root = self._roots.get(namespace)
         if root is None:
             root = self._roots[namespace] = namespace_root(
                 self.fingerprint, self.pool.layout, namespace, self.pool.recipe_digest,
-                secret=self.secret)
+                secret=self.secret, tp_size=self.tp[0])
         return chain_keys(root, tokens[:num_pages * self.page_size], self.page_size,
                           secret=self.secret)
 
@@ -172,6 +192,8 @@ class TierManager:
                 continue
             slot = self.host.reserve(key)
             if slot is not None:
+                if self.journal is not None:
+                    self.journal.append(("put", slot, page, key, False))
                 self.host.data[slot].copy_(self.pool.pages[page])
                 self.host.commit(key)
                 self.counters["l1_to_l2_evict_pages"] += 1
@@ -180,11 +202,15 @@ class TierManager:
     def _on_l2_evict(self, key: bytes, slot: int) -> None:
         self.events.emit("removed", "l2", [key])
         if self.storage is not None and self.policy.write_policy == "write_back":
-            record = encode_page(self.header(), self.host.data[slot], key=key, secret=self.secret)
-            self.worker.submit("persist", [(key, record)])
+            if self.journal is not None:
+                self.journal.append(("persist", slot, key))
+            rkey = self.record_key(key)
+            record = encode_page(self.header(), self.host.data[slot], key=rkey, secret=self.secret)
+            self.worker.submit("persist", [(key, rkey, record)])
 
     def poll(self) -> None:
         """Apply finished background work (engine thread, once per step)."""
+        self.sync()
         while not self.worker.done.empty():
             kind, job_id = self.worker.done.get_nowait()
             if kind == "backup":
@@ -196,6 +222,32 @@ class TierManager:
                     if self.host is not None and key in self.host:
                         self.host.drop(key)
                         self.events.emit("removed", "l2", [key])
+
+    def sync(self) -> None:
+        """Tensor parallel, rank 0 (engine thread): send the journal to the other ranks,
+        which replay it, then let into L2 the fetched pages every rank now holds and drop
+        the ones some rank lacks (a hit needs every shard). Called before each step's
+        forward, from ``poll``, and when a prefetch has finished."""
+        if self.journal is None or self.mirror is None:
+            return
+        settled = [pf for pf in self._prefetch.values() if pf.done and not pf.acked]
+        ops = self.journal.take()
+        if ops:
+            failed = set(self.mirror(ops))
+            for op in ops:
+                if op[0] == "fetch":
+                    self._settle_fetch(op[2], op[2] in failed)
+        for pf in settled:
+            pf.acked = True
+
+    def _settle_fetch(self, key: bytes, failed: bool) -> None:
+        if not failed:
+            self.host.commit(key)
+            return
+        self.host.drop(key)
+        self.counters["l3_peer_missing"] += 1
+        for pf in self._prefetch.values():
+            pf.loaded.discard(key)
 
     def drain(self, timeout: float = 10.0) -> bool:
         """Wait until queued background work is done and applied; False on timeout."""
@@ -239,7 +291,10 @@ class TierManager:
             pf = self._prefetch[request_id] = Prefetch(rest, started=now,
                                                        deadline=now + self._hold_s(len(rest)))
             self.worker.submit("fetch", request_id, pf)
-        return pf.done or self.clock() >= pf.deadline
+        if pf.done and self.journal is not None and not pf.acked:
+            self.sync()                       # tensor parallel: every rank's answer first
+        settled = pf.done and (self.journal is None or self.mirror is None or pf.acked)
+        return settled or self.clock() >= pf.deadline
 
     def _hold_s(self, num_pages: int) -> float:
         """How long a request may wait for its prefetch of ``num_pages``, per the policy.
@@ -288,7 +343,10 @@ class TierManager:
         try:
             pages = allocate(len(keys))
             for page, key in zip(pages, keys):
-                self.pool.pages[page].copy_(self.host.data[self.host.slot(key)])
+                slot = self.host.slot(key)
+                self.pool.pages[page].copy_(self.host.data[slot])
+                if self.journal is not None:
+                    self.journal.append(("load", slot, page))
         finally:
             self.host.unpin(keys)
         from_l3 = len(pf.loaded.intersection(keys)) if pf is not None else 0

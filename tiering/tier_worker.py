@@ -34,6 +34,7 @@ class Prefetch:
     started: float = field(default_factory=time.monotonic)
     deadline: float = float("inf")                   # admit the request from then on anyway
     done: bool = False
+    acked: bool = False           # tensor parallel: every rank has answered for its fetches
     loaded: set[bytes] = field(default_factory=set)   # keys that arrived intact in L2
     corrupt: int = 0
 
@@ -42,13 +43,18 @@ class TierWorker:
     """One daemon thread executing tier jobs in order."""
 
     def __init__(self, pool_pages: torch.Tensor, host: HostPool | None, storage, header_fn,
-                 events=None, *, layout: PageLayout, secret: KVSecret):
+                 events=None, *, layout: PageLayout, secret: KVSecret, record_key=None, journal=None):
         self.pool_pages = pool_pages
         self.layout = layout
         self.secret = secret                  # authenticates the records (page_record)
         self.host = host
         self.storage = storage
         self.header_fn = header_fn            # () -> PageHeader of the pool's current scales
+        # content key -> the key of this rank's L3 record (tensor parallel; identity for one)
+        self.record_key = record_key or (lambda key: key)
+        # tensor parallel, rank 0: the moves the other ranks replay (tier_mirror.TierJournal);
+        # a fetched page stays pending in L2 until every rank has its record (TierManager.sync)
+        self.journal = journal
         self.events = events                  # KVEventLog or None
         self.jobs: queue.Queue = queue.Queue()
         self.done: queue.Queue = queue.Queue()
@@ -105,6 +111,8 @@ class TierWorker:
             slot = self.host.reserve(key)
             if slot is None:
                 continue
+            if self.journal is not None:
+                self.journal.append(("put", slot, page, key, self.storage is not None))
             self.host.data[slot].copy_(self.pool_pages[page])
             self.host.commit(key)
             written.append((key, slot))
@@ -113,18 +121,20 @@ class TierWorker:
         self.done.put(("backup", job_id))
         if self.storage is not None and written:
             header = self.header_fn()
-            self._persist([(k, encode_page(header, self.host.data[s], key=k, secret=self.secret))
-                           for k, s in written])
+            items = [(k, self.record_key(k), s) for k, s in written]
+            self._persist([(k, r, encode_page(header, self.host.data[s], key=r,
+                                              secret=self.secret)) for k, r, s in items])
 
-    def _persist(self, items: list[tuple[bytes, bytes]]) -> None:
+    def _persist(self, items: list[tuple[bytes, bytes, bytes]]) -> None:
+        """Write ``(content key, record key, record)`` items; events name the content key."""
         for i in range(0, len(items), BATCH):
             chunk = items[i:i + BATCH]
-            stored = self.storage.put_batch(chunk)
+            stored = self.storage.put_batch([(r, v) for _, r, v in chunk])
             if stored == len(chunk):
-                self._emit("stored", "l3", [k for k, _ in chunk])
+                self._emit("stored", "l3", [k for k, _, _ in chunk])
             self.counters["l3_written"] += stored
             self.counters["l3_write_failed"] += len(chunk) - stored
-            self.counters["l3_bytes_written"] += sum(len(v) for _, v in chunk[:stored])
+            self.counters["l3_bytes_written"] += sum(len(v) for _, _, v in chunk[:stored])
 
     def _fetch(self, request_id: str, pf: Prefetch) -> None:
         """Read a run of keys from L3 into L2, stopping at the first miss or rejected record."""
@@ -132,23 +142,24 @@ class TierWorker:
         for i in range(0, len(pf.keys), BATCH):
             keys = pf.keys[i:i + BATCH]
             t0 = time.perf_counter()
-            blobs = self.storage.get_batch(keys)
+            rkeys = [self.record_key(k) for k in keys]
+            blobs = self.storage.get_batch(rkeys)
             dt = time.perf_counter() - t0
             nbytes = sum(len(b) for b in blobs if b)
             if nbytes and dt > 0:
                 bw = nbytes / dt
                 self.l3_bytes_s = bw if not self.l3_bytes_s else 0.7 * self.l3_bytes_s + 0.3 * bw
             self.counters["l3_bytes_read"] += nbytes
-            for key, blob in zip(keys, blobs):
+            for key, rkey, blob in zip(keys, rkeys, blobs):
                 if blob is None:
                     self.counters["l3_miss"] += 1
                     pf.done = True
                     return
                 try:
-                    payload = decode_page(blob, header, key=key, secret=self.secret)
+                    payload = decode_page(blob, header, key=rkey, secret=self.secret)
                     check_finite(self.layout, payload, header)
                 except PageRecordError as e:
-                    self._reject(key, e)
+                    self._reject(key, rkey, e)
                     pf.corrupt += 1
                     pf.done = True
                     return
@@ -156,18 +167,22 @@ class TierWorker:
                 if slot is not None:
                     # One copy, straight from the record into the pinned slot.
                     self.host.data[slot].view(-1).numpy()[:] = np.frombuffer(payload, np.uint8)
-                    self.host.commit(key)
+                    if self.journal is None:
+                        self.host.commit(key)
+                    else:
+                        self.journal.append(("fetch", slot, key))
                     self._emit("stored", "l2", [key])
                 pf.loaded.add(key)
                 self.counters["l3_read"] += 1
         pf.done = True
 
-    def _reject(self, key: bytes, err: PageRecordError) -> None:
-        """Count a refused L3 record and delete it (best effort) unless it is merely stale:
-        a stale record is genuine, for another pool state, and this pool's write replaces it."""
+    def _reject(self, key: bytes, rkey: bytes, err: PageRecordError) -> None:
+        """Count a refused L3 record (``rkey``, of content ``key``) and delete it (best
+        effort) unless it is merely stale: a stale record is genuine, for another pool
+        state, and this pool's write replaces it."""
         log.warning("rejected an L3 page record (%s): %s; recomputing the page", err.reason, err)
         self.counters["l3_corrupt"] += 1
         self.counters[f"l3_rejected_{err.reason}"] += 1
-        if err.reason != "stale" and self.storage.delete_batch([key]):
+        if err.reason != "stale" and self.storage.delete_batch([rkey]):
             self.counters["l3_deleted_rejected"] += 1
             self._emit("removed", "l3", [key])

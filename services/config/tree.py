@@ -209,6 +209,10 @@ class DisaggConfig:
     kv_transfer_ssl_keyfile: str | None = flag(None)
     kv_transfer_ssl_ca_certs: str | None = flag(
         None, help="CA that signs every worker's transfer certificate (mutual TLS)")
+    prefill_tp_size: int | None = flag(
+        None, help="tensor-parallel ranks of each prefill worker (default: --tp-size)")
+    decode_tp_size: int | None = flag(
+        None, help="tensor-parallel ranks of each decode worker (default: --tp-size)")
 
 
 @dataclass(frozen=True)

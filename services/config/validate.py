@@ -83,19 +83,50 @@ def _validate_security(cfg: NibbleConfig) -> None:
                           "redis")
 
 
+def role_tp_sizes(cfg: NibbleConfig) -> tuple[int, int]:
+    """(prefill, decode) tensor-parallel sizes of a --disaggregate deployment: each
+    --prefill-tp-size / --decode-tp-size, else --tp-size."""
+    d, n = cfg.disagg, cfg.device.tp_size
+    return (n if d.prefill_tp_size is None else d.prefill_tp_size,
+            n if d.decode_tp_size is None else d.decode_tp_size)
+
+
 def _validate_tp(cfg: NibbleConfig) -> None:
     """What tensor parallelism supports in this version (the rest is refused by name)."""
     n = cfg.device.tp_size
     if n < 1:
         raise ConfigError(f"--tp-size must be >= 1, got {n}")
+    _validate_role_tp(cfg)
     if n == 1:
         return
     if cfg.device.device == "cuda":
         raise ConfigError("--tp-size > 1 runs on CPU (gloo) in this version; the CUDA group "
                           "(NCCL, one GPU per rank) is not built yet: use --device cpu")
-    if cfg.disagg.disaggregate:
-        raise ConfigError("--tp-size > 1 with --disaggregate is not supported yet (per-rank "
-                          "page transfer between worker groups)")
-    if cfg.hicache.enable_hierarchical_cache:
-        raise ConfigError("--tp-size > 1 with --enable-hierarchical-cache is not supported "
-                          "yet (L2/L3 page records per rank)")
+
+
+def _validate_role_tp(cfg: NibbleConfig) -> None:
+    """--prefill-tp-size / --decode-tp-size: only with --disaggregate, equal, and 1 until
+    pages move rank to rank between worker groups."""
+    d = cfg.disagg
+    given = [f for f, v in (("--prefill-tp-size", d.prefill_tp_size),
+                            ("--decode-tp-size", d.decode_tp_size)) if v is not None]
+    if given and not d.disaggregate:
+        raise ConfigError(f"{' and '.join(given)} size the workers of --disaggregate; a "
+                          f"colocated engine takes --tp-size")
+    prefill, decode = role_tp_sizes(cfg)
+    if min(prefill, decode) < 1:
+        raise ConfigError(f"--prefill-tp-size and --decode-tp-size must be >= 1, got "
+                          f"{prefill} and {decode}")
+    if not d.disaggregate:
+        return
+    if prefill != decode:
+        raise ConfigError(
+            f"--prefill-tp-size {prefill} and --decode-tp-size {decode} differ: re-slicing KV "
+            f"heads during the prefill -> decode transfer is not supported; give both the "
+            f"same size")
+    if prefill > 1:
+        raise ConfigError(
+            f"--disaggregate with tensor-parallel workers (size {prefill}) is not supported "
+            f"yet: the per-rank page transfer between a prefill and a decode group is not "
+            f"built; use --tp-size 1 (and --prefill-tp-size / --decode-tp-size 1) with "
+            f"--disaggregate, or run colocated with --tp-size {prefill}")

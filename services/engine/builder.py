@@ -4,6 +4,7 @@ model (the server, the workers, the tests and the benchmarks all build through i
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from dataclasses import dataclass, field
@@ -15,10 +16,13 @@ from nibble.kernels import KV_CACHE_FORMATS, PageLayout
 from nibble.tiering import KVPool, pages_for_budget
 from nibble.tiering.radix_cache import RadixCache
 from nibble.tiering.secret import KVSecret
+from nibble.tiering.tier_manager import TierManager
+from nibble.tiering.tier_mirror import TierMirror
 
 from .. import attention
 from ..attention import ATTENTION_BACKENDS
 from ..attention.calibration import calibrate_pool
+from ..parallel.follower import mirror_tiers
 from ..parallel.group import SingleGroup, TPGroup
 from ..config import CacheConfig, DeviceConfig, NibbleConfig
 from ..errors import ConfigError
@@ -28,7 +32,7 @@ from .grammar import (GrammarBackend, GrammarError, create_grammar_backend,
                       grammar_backend_names, share_backend)
 from .model_runner import ModelRunner
 from .step_budget import resolve_scheduler
-from .tier_setup import build_tiers, load_secret
+from .tier_setup import build_tier_mirror, build_tiers, host_pages_for, load_secret
 
 log = logging.getLogger(__name__)
 
@@ -182,19 +186,17 @@ def build_engine_core(model, tokenizer, cfg: NibbleConfig, *, device: torch.devi
                                                device_cfg=cfg.device)
     backend.set_sliding_windows(windows)
     cache = None if cfg.cache.disable_radix_cache else RadixCache(layout.page_size, pool)
-    tiers = None
-    if cache is not None and (inject.use_l1_tiers or cfg.hicache.enable_hierarchical_cache):
-        storage_on = cfg.hicache.enable_hierarchical_cache and (
-            inject.storage is not None or cfg.hicache.hicache_storage_backend != "none")
-        secret = inject.secret or load_secret(cfg.cache, storage_on)
-        tiers = build_tiers(cfg.hicache, pool, cache, fingerprint, secret, inject.storage,
-                            **inject.tier_kw)
+    tiers, mirror = _tiers(cfg, inject, pool, cache, fingerprint, tp)
     # CUDA graphs and overlap scheduling assume one rank (the TP=2 GPU runs: issue 20)
     graphs = None if tp.size > 1 else build_graph_runner(
         cfg.device, model, backend, device, context, layout.page_size, inject.static_decode_path)
     overlap = tp.size == 1 and (inject.overlap if inject.overlap is not None else (
         device.type == "cuda" and not cfg.scheduler.disable_overlap_schedule))
     runner = ModelRunner(model, backend, device, graphs)
+    runner.tier_mirror = mirror
+    if tiers is not None and tp.size > 1 and cfg.hicache.enable_hierarchical_cache:
+        tiers.mirror = functools.partial(mirror_tiers, tp)
+        runner.tier_sync = tiers.sync
     runner.grammar = build_grammar(cfg.sampling.grammar_backend, tokenizer, arch.vocab_size)
     core = EngineCore(runner, pool, tokenizer, resolve_scheduler(cfg.scheduler, arch),
                       context, cache, tiers,
@@ -205,6 +207,24 @@ def build_engine_core(model, tokenizer, cfg: NibbleConfig, *, device: torch.devi
                         "group_bytes_per_token": page_bytes / layout.page_size,
                         "group_pool_bytes": page_bytes * num_pages}
     return core
+
+
+def _tiers(cfg: NibbleConfig, inject: Injected, pool: KVPool, cache, fingerprint: str,
+           tp: TPGroup) -> tuple[TierManager | None, TierMirror | None]:
+    """Rank 0's tier manager, or (tensor parallel, ranks 1..) the mirror that replays it."""
+    hier = cfg.hicache.enable_hierarchical_cache
+    if cache is None or not (inject.use_l1_tiers or hier):
+        return None, None
+    storage_on = hier and (inject.storage is not None or
+                           cfg.hicache.hicache_storage_backend != "none")
+    secret = inject.secret or load_secret(cfg.cache, storage_on and tp.rank == 0)
+    # every rank the same L2 slots: rank 0's moves name them
+    host_pages = tp.all_min(host_pages_for(cfg.hicache, pool)) if hier else None
+    if tp.rank > 0:
+        return None, (build_tier_mirror(cfg.hicache, pool, secret, host_pages,
+                                        (tp.size, tp.rank)) if hier else None)
+    return build_tiers(cfg.hicache, pool, cache, fingerprint, secret, inject.storage,
+                       tp=(tp.size, tp.rank), host_pages=host_pages, **inject.tier_kw), None
 
 
 def build_grammar(name: str, tokenizer, vocab_size: int) -> GrammarBackend | None:

@@ -39,6 +39,8 @@ class ModelRunner:
         self._matchers: dict[str, Matcher] = {}
         self._prompt_lps: dict = {}                 # this step's prompt logprobs (execute)
         self.tp = getattr(model, "tp", None) or SingleGroup()   # the model's TP group
+        self.tier_sync = None      # TP rank 0 with tiers: TierManager.sync, before each step
+        self.tier_mirror = None    # TP follower with tiers: its TierMirror
 
     def release(self, request_id: str) -> None:
         """Forget a finished request's RNG and grammar state."""
@@ -64,6 +66,8 @@ class ModelRunner:
         if not seqs:
             return WorkerOutput({})
         if self.tp.size > 1:       # tensor parallel: the other ranks run the same forward
+            if self.tier_sync is not None:    # after replaying rank 0's tier moves
+                self.tier_sync()
             self.tp.broadcast_object(("step", batch, page_size))
         if self.graphs is not None and self.graphs.applies(seqs):
             return self._sample(seqs, self.graphs.run(seqs, page_size))

@@ -14,6 +14,7 @@ from nibble.tiering.radix_cache import RadixCache
 from nibble.tiering.secret import KVSecret
 from nibble.tiering.storage import create_storage_backend
 from nibble.tiering.tier_manager import TierManager, TierPolicy
+from nibble.tiering.tier_mirror import TierMirror
 
 from ..config import CacheConfig, HiCacheConfig
 from ..credentials import (KV_SECRET_ENV, STORAGE_PASSWORD_ENV, load_kv_secret,
@@ -69,8 +70,10 @@ def load_secret(cfg: CacheConfig, for_storage: bool) -> KVSecret:
     return KVSecret.generate()
 
 
-def build_storage(cfg: HiCacheConfig):
-    """The L3 backend of --hicache-storage-backend, or None."""
+def build_storage(cfg: HiCacheConfig, tp: tuple[int, int] = (1, 0)):
+    """The L3 backend of --hicache-storage-backend, or None. ``tp``: (size, rank): with
+    several ranks the file backend takes one subdirectory per rank (one process owns a
+    directory) and a 1/size share of the budget; Redis is shared (record keys differ)."""
     if cfg.hicache_storage_backend == "redis":
         url = cfg.hicache_storage_url or "redis://127.0.0.1:6379/0"
         try:
@@ -88,31 +91,33 @@ def build_storage(cfg: HiCacheConfig):
     if cfg.hicache_storage_backend == "file":
         path = cfg.hicache_storage_url or default_storage_dir()
         budget = storage_budget(cfg, path)
+        if tp[0] > 1:
+            path, budget = os.path.join(path, f"tp{tp[0]}-rank{tp[1]}"), max(1, budget // tp[0])
         log.info("L3 file storage: %s, budget %.2f GB", path, budget / 1e9)
         return create_storage_backend("file", path, max_bytes=budget)
     return None
 
 
 def build_tiers(cfg: HiCacheConfig, pool: KVPool, cache: RadixCache, fingerprint: str,
-                secret: KVSecret, storage=None, **tier_kw) -> TierManager:
+                secret: KVSecret, storage=None, *, tp: tuple[int, int] = (1, 0),
+                host_pages: int | None = None, **tier_kw) -> TierManager:
     """L2 host pool and L3 storage below ``pool``, per --enable-hierarchical-cache.
 
     Without it the tier manager still runs L1-only: it keys cached pages and
     publishes KV events, so a router can mirror the cache. ``secret`` keys the
     content keys and authenticates L3 records. ``storage``: an L3 backend to use
     instead of --hicache-storage-backend's; ``tier_kw``: TierPolicy fields no flag
-    sets (``l3_latency_s``) and the manager's ``clock``.
+    sets (``l3_latency_s``) and the manager's ``clock``. ``tp``: (size, rank) of this
+    pool's tensor-parallel shard (the records' namespace; ``TierManager``);
+    ``host_pages``: L2 slots (default ``host_pages_for``; the same on every rank).
     """
     clock = {"clock": tier_kw.pop("clock")} if "clock" in tier_kw else {}
+    clock["tp"] = tp
     if not cfg.enable_hierarchical_cache:
         return TierManager(pool, cache, fingerprint, None, None, secret=secret, **clock)
-    layout = pool.layout
-    if cfg.hicache_size is not None:
-        host_pages = int(cfg.hicache_size * 1e9) // layout.page_nbytes
-    else:
-        host_pages = int(pool.num_pages * cfg.hicache_ratio)
-    host = HostPool(layout, max(1, host_pages), pin_memory=pool.device.type == "cuda")
-    storage = build_storage(cfg) if storage is None else storage
+    host_pages = host_pages or host_pages_for(cfg, pool)
+    host = HostPool(pool.layout, host_pages, pin_memory=pool.device.type == "cuda")
+    storage = build_storage(cfg, tp) if storage is None else storage
     policy = TierPolicy(**{"write_policy": cfg.hicache_write_policy,
                            "prefetch_policy": cfg.hicache_prefetch_policy,
                            "prefetch_timeout_s": cfg.hicache_prefetch_timeout, **tier_kw})
@@ -120,3 +125,17 @@ def build_tiers(cfg: HiCacheConfig, pool: KVPool, cache: RadixCache, fingerprint
              host.num_pages, host.nbytes / 2**20, ", pinned" if pool.device.type == "cuda" else "",
              cfg.hicache_storage_backend, cfg.hicache_write_policy, cfg.hicache_prefetch_policy)
     return TierManager(pool, cache, fingerprint, host, storage, policy, secret=secret, **clock)
+
+
+def host_pages_for(cfg: HiCacheConfig, pool: KVPool) -> int:
+    """L2 slots below ``pool``: ``--hicache-size`` GB of its pages, else
+    ``--hicache-ratio`` times its page count."""
+    if cfg.hicache_size is not None:
+        return max(1, int(cfg.hicache_size * 1e9) // pool.layout.page_nbytes)
+    return max(1, int(pool.num_pages * cfg.hicache_ratio))
+
+
+def build_tier_mirror(cfg: HiCacheConfig, pool: KVPool, secret: KVSecret, host_pages: int,
+                      tp: tuple[int, int]) -> TierMirror:
+    """A tensor-parallel follower's L2 slots and L3 records (``tiering.tier_mirror``)."""
+    return TierMirror(pool, host_pages, build_storage(cfg, tp), secret=secret, tp=tp)

@@ -7,11 +7,21 @@ the weights and its own KV pool (its KV heads), joining the collectives, and nev
 samples. Broadcasting the batch rather than scheduling identically on every rank keeps
 the followers free of scheduler state: the tiers, the prefix cache, request arrival
 order and timing all live on rank 0 alone.
+
+Tiers (``--enable-hierarchical-cache``): rank 0's tier manager journals every page move
+(L1 <-> L2 slot, L2 <-> L3 record); before a step's forward, and whenever a prefetch
+needs an answer, rank 0 broadcasts ``("tiers", ops)`` and each follower replays them on
+its own pool, L2 slots and L3 records (``tiering.tier_mirror.TierMirror``), then sends
+back the keys it could not fetch, so rank 0 counts a page as hit only when every rank
+holds it. The moves are rank 0's decisions with rank 0's slot numbers: the followers
+keep no tier state that could drift from rank 0's.
 """
 
 from __future__ import annotations
 
 import logging
+
+from nibble.kernels.errors import NibbleError
 
 from .group import TPGroup
 
@@ -20,15 +30,33 @@ log = logging.getLogger(__name__)
 STOP = ("stop",)
 
 
-def follow(runner, tp: TPGroup) -> None:
-    """Run rank 0's steps on ``runner`` (a ModelRunner on this rank's shard) until it stops."""
+class TierMirrorMissingError(NibbleError):
+    """Rank 0 sent tier moves to a follower built without tiers (configs differ)."""
+
+
+def follow(runner, tp: TPGroup, mirror=None) -> None:
+    """Run rank 0's steps on ``runner`` (a ModelRunner on this rank's shard) until it stops;
+    ``mirror``: this rank's ``TierMirror`` (None without L2/L3)."""
     log.info("tensor-parallel rank %d of %d following rank 0", tp.rank, tp.size)
     while True:
         msg = tp.broadcast_object()
         if msg[0] == "stop":
             return
+        if msg[0] == "tiers":
+            if mirror is None:
+                raise TierMirrorMissingError(
+                    f"rank {tp.rank} has no tiers but rank 0 sent tier moves")
+            tp.gather_object(mirror.apply(msg[1]))
+            continue
         _, batch, page_size = msg
         runner.forward_only(batch, page_size)
+
+
+def mirror_tiers(tp: TPGroup, ops: list[tuple]) -> list[bytes]:
+    """Rank 0: have every follower replay ``ops``; the keys any rank could not fetch."""
+    tp.broadcast_object(("tiers", ops))
+    answers = tp.gather_object([]) or []
+    return [key for failed in answers[1:] for key in failed]
 
 
 def stop_followers(tp: TPGroup) -> None:

@@ -44,6 +44,10 @@ class TPGroup:
         """Rank 0's ``obj`` on every rank (pickled; for a step's batch, not for tensors)."""
         return obj
 
+    def gather_object(self, obj: Any = None) -> list | None:
+        """Every rank's ``obj`` by rank, on rank 0 (None on the others; pickled, small)."""
+        return [obj]
+
     def all_min(self, value: int) -> int:
         """The smallest ``value`` over the ranks (pool sizes, so every rank has the same pages)."""
         return value
@@ -81,6 +85,12 @@ class TorchGroup(TPGroup):
         with _group_alive("broadcast"):
             self._dist.broadcast_object_list(box, src=0)
         return box[0]
+
+    def gather_object(self, obj: Any = None) -> list | None:
+        out = [None] * self.size if self.rank == 0 else None
+        with _group_alive("gather"):
+            self._dist.gather_object(obj, out, dst=0)
+        return out
 
     def all_min(self, value: int) -> int:
         t = torch.tensor([value], dtype=torch.int64)

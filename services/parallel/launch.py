@@ -56,7 +56,7 @@ def _follower_main(rank: int, size: int, port: int, cfg, parent: int) -> None:
                         cfg.model.load_format, tp=tp)
     core = build_engine_core(loaded.model, loaded.tokenizer, cfg, device=device,
                              fingerprint=loaded.fingerprint)
-    follow(core.runner, tp)
+    follow(core.runner, tp, core.runner.tier_mirror)
 
 
 def start_group(cfg) -> tuple[TorchGroup, list]:

@@ -36,6 +36,10 @@ TLS_VALUES = {
     "gateway": {"tls": {"secretName": "nibble-tls", "requireClientCertificates": True}},
     "ray": {"transferTls": {"secretName": "nibble-transfer-tls"}},
 }
+# Tensor-parallel worker groups: two ranks (two GPUs) per prefill and per decode pod.
+TP2_VALUES = {"ray": {"prefill": {"tpSize": 2}, "decode": {"tpSize": 2}}}
+# Different prefill and decode sizes (nibble serve refuses them: the flags say so).
+TP_MIXED_VALUES = {"ray": {"prefill": {"tpSize": 1}, "decode": {"tpSize": 2}}}
 GPU = CHART / "values-gpu.yaml"
 VARIANTS = {
     "cpu": ((), (), None),
@@ -47,6 +51,8 @@ VARIANTS = {
     "existing-secret": ((), (), EXISTING_SECRET_VALUES),
     "no-hicache": ((), ("hierarchicalCache.enabled=false",), None),
     "tls": ((), (), TLS_VALUES),
+    "gpu-values-tp2": ((GPU,), (), TP2_VALUES),
+    "tp-mixed": ((), (), TP_MIXED_VALUES),
 }
 
 

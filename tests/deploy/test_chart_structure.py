@@ -9,7 +9,8 @@ import pytest
 import yaml
 
 from .conftest import FULL_VALUES, VARIANTS
-from .helpers import NAMESPACE, arg_value, config_lines, find, one, pod_specs, render
+from .helpers import (NAMESPACE, arg_value, config_lines, find, one, pod_specs, render,
+                      run_helm, template_args)
 
 ALL = sorted(VARIANTS)
 
@@ -144,6 +145,36 @@ def test_gpu_values_request_one_gpu_per_ray_worker(rendered):
     assert "nvidia.com/gpu" not in _limits(gw)
     args = config_lines(rendered("gpu-values"), "serve.args")
     assert arg_value(args, "--device") == "cuda"
+
+
+def test_tp_size_asks_for_a_gpu_per_rank_and_is_passed_to_serve(rendered):
+    docs = rendered("gpu-values-tp2")
+    cluster = one(docs, "RayCluster")
+    for group in cluster["spec"]["workerGroupSpecs"]:
+        c = group["template"]["spec"]["containers"][0]
+        assert _limits(c)["nvidia.com/gpu"] == 2, group["groupName"]
+        assert c["resources"]["requests"]["nvidia.com/gpu"] == 2, group["groupName"]
+    head = cluster["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    assert "nvidia.com/gpu" not in _limits(head)
+    args = config_lines(docs, "serve.args")
+    assert arg_value(args, "--tp-size") == "2"
+    assert arg_value(args, "--prefill-tp-size") is None
+    assert arg_value(config_lines(rendered("gpu-values"), "serve.args"), "--tp-size") == "1"
+
+
+def test_tp_size_on_cpu_groups_asks_for_no_gpu(rendered):
+    docs = rendered("tp-mixed")
+    assert "nvidia.com/gpu" not in yaml.safe_dump_all(docs)
+    args = config_lines(docs, "serve.args")
+    assert arg_value(args, "--tp-size") is None
+    assert (arg_value(args, "--prefill-tp-size"), arg_value(args, "--decode-tp-size")) == ("1", "2")
+
+
+def test_serve_tp_size_is_refused_with_disaggregation():
+    proc = run_helm(*template_args((), ("serve.flags.tp-size=2",)), check=False)
+    assert proc.returncode != 0 and "ray.prefill.tpSize" in proc.stderr
+    colocated = render(sets=("serve.flags.tp-size=2", "disaggregation.enabled=false"))
+    assert arg_value(config_lines(colocated, "serve.args"), "--tp-size") == "2"
 
 
 def test_gpu_colocated_puts_the_gpu_on_the_gateway(rendered):

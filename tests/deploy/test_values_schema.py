@@ -25,7 +25,8 @@ CHART_MANAGED = {"host", "port", "grpc-port", "disaggregate", "prefill-workers",
                  "admin-api-key", "api-key-file", "admin-api-key-file", "kv-secret-file",
                  "allow-unauthenticated", "graceful-shutdown-timeout", "ssl-keyfile",
                  "ssl-certfile", "ssl-ca-certs", "kv-transfer-ssl-certfile",
-                 "kv-transfer-ssl-keyfile", "kv-transfer-ssl-ca-certs"}
+                 "kv-transfer-ssl-keyfile", "kv-transfer-ssl-ca-certs", "prefill-tp-size",
+                 "decode-tp-size"}
 # SGLang's names for Nibble's flags: serve.flags takes Nibble's names only (one key per setting).
 ALIASES = {alias[2:]: own[2:] for alias, own in flag_aliases().items()}
 
@@ -114,6 +115,10 @@ def test_schema_rejects_what_the_chart_must_not_accept():
     assert bad(["ray", "prefill", "rayStartParams"], {"num-cpus": 4})     # KubeRay wants strings
     assert bad(["ray", "decode", "rayStartParams"], {"labels": "a=b"})    # refused by KubeRay
     assert bad(["containerSecurityContext", "allowPrivilegeEscalation"], True)
+    assert bad(["ray", "prefill", "tpSize"], 0)
+    assert bad(["ray", "decode", "tpSize"], "2")
+    assert bad(["serve", "flags", "decode-tp-size"], 2)                  # ray.decode.tpSize
+    assert not bad(["ray", "decode", "tpSize"], 4)
     assert not bad(["serve", "flags", "device"], None)                    # null unsets a default
 
 

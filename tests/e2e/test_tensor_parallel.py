@@ -76,3 +76,36 @@ def test_a_dead_rank_takes_the_group_down(tmp_path_factory):
                        timeout=60)
         assert r.status_code >= 500 and "lost a rank" in r.text, r.text
         assert srv.proc.wait(timeout=60) == 1
+
+
+def test_tp2_hierarchical_cache_answers_from_every_ranks_l3_records(tmp_path_factory):
+    """`--tp-size 2 --enable-hierarchical-cache` (file L3): after /flush_cache the same prompt
+    is answered the same, with its pages read back from both ranks' records."""
+    import httpx
+    l3 = tmp_path_factory.mktemp("tp2-l3")
+    args = ["--tp-size", "2", "--device", "cpu", "--max-total-tokens", "2048",
+            "--context-length", "2048", "--enable-hierarchical-cache",
+            "--hicache-storage-backend", "file", "--hicache-storage-url", str(l3),
+            "--hicache-prefetch-policy", "wait_complete"]
+    with running_server(tmp_path_factory, "tp2-tiers", args) as srv:
+        client = openai_client(srv)
+        model = client.models.list().data[0].id
+        messages = [{"role": "user", "content": "What is the capital of France? Answer in "
+                                                "one short sentence, please."}]
+
+        def ask() -> str:
+            r = client.chat.completions.create(model=model, messages=messages, max_tokens=16,
+                                               temperature=0)
+            return r.choices[0].message.content
+
+        first = ask()
+        assert "Paris" in first, first
+        deadline = time.monotonic() + 30
+        while srv.info()["stats"]["tiers"]["l3_written"] < 2:      # write-through reached L3
+            assert time.monotonic() < deadline, srv.info()["stats"]["tiers"]
+            time.sleep(0.1)
+        assert httpx.post(f"{srv.url}/flush_cache", timeout=30).status_code == 200
+        assert ask() == first
+        tiers = srv.info()["stats"]["tiers"]
+        assert tiers["l3_hit_pages"] >= 2 and tiers["l3_peer_missing"] == 0, tiers
+    assert sorted(os.listdir(l3)) == ["tp2-rank0", "tp2-rank1"]

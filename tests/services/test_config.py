@@ -217,9 +217,28 @@ def test_full_command_line_round_trip(tmp_path):
 @pytest.mark.parametrize("args,needle", [
     (["--tp-size", "0"], "--tp-size must be >= 1"),
     (["--tp-size", "2", "--device", "cuda"], "runs on CPU"),
-    (["--tp-size", "2", "--disaggregate"], "--disaggregate is not supported yet"),
-    (["--tp-size", "2", "--enable-hierarchical-cache"], "page records per rank"),
+    (["--tp-size", "2", "--disaggregate"], "per-rank page transfer .* is not built"),
+    (["--disaggregate", "--prefill-tp-size", "2", "--decode-tp-size", "2"],
+     "per-rank page transfer"),
+    (["--disaggregate", "--decode-tp-size", "2"], "re-slicing KV heads during the prefill"),
+    (["--tp-size", "2", "--disaggregate", "--prefill-tp-size", "1"],
+     "--prefill-tp-size 1 and --decode-tp-size 2 differ"),
+    (["--prefill-tp-size", "2"], "--prefill-tp-size size the workers of --disaggregate"),
+    (["--disaggregate", "--decode-tp-size", "0", "--prefill-tp-size", "0"], "must be >= 1"),
 ])
 def test_tensor_parallel_limits_are_refused_by_name(args, needle):
     with pytest.raises(ConfigError, match=needle):
         parse(*args)
+
+
+def test_role_tp_sizes_default_to_tp_size():
+    from nibble.services.config.validate import role_tp_sizes
+    assert role_tp_sizes(parse("--disaggregate")) == (1, 1)
+    cfg = parse("--disaggregate", "--prefill-tp-size", "1", "--decode-tp-size", "1")
+    assert (cfg.disagg.prefill_tp_size, cfg.disagg.decode_tp_size) == (1, 1)
+    assert role_tp_sizes(cfg) == (1, 1)
+
+
+def test_tensor_parallel_takes_the_hierarchical_cache():
+    cfg = parse("--tp-size", "2", "--device", "cpu", "--enable-hierarchical-cache")
+    assert cfg.device.tp_size == 2 and cfg.hicache.enable_hierarchical_cache

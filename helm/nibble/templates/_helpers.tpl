@@ -115,6 +115,18 @@ true
 {{ .Values.ray.decode.replicas }}
 --ray-address
 {{ include "nibble.rayHeadAddress" . }}
+{{- if not (kindIs "invalid" (index .Values.serve.flags "tp-size")) }}
+{{- fail "serve.flags.tp-size sizes the colocated engine; with disaggregation.enabled set ray.prefill.tpSize and ray.decode.tpSize" }}
+{{- end }}
+{{- if eq (int .Values.ray.prefill.tpSize) (int .Values.ray.decode.tpSize) }}
+--tp-size
+{{ .Values.ray.prefill.tpSize }}
+{{- else }}
+--prefill-tp-size
+{{ .Values.ray.prefill.tpSize }}
+--decode-tp-size
+{{ .Values.ray.decode.tpSize }}
+{{- end }}
 {{- end }}
 {{- if .Values.hierarchicalCache.enabled }}
 --enable-hierarchical-cache

@@ -63,7 +63,7 @@ spec:
         timeoutSeconds: 2
         failureThreshold: 12
       resources:
-        {{- toYaml $grp.resources | nindent 8 }}
+        {{- include "nibble.groupResources" $grp | nindent 8 }}
       securityContext:
         {{- toYaml $.Values.containerSecurityContext | nindent 8 }}
       volumeMounts:
@@ -97,4 +97,22 @@ passes it through the shell: '"{\"nibble_prefill\":1}"'. Call with (dict "role" 
 {{- $res := dict (printf "nibble_%s" .role) .group.customResource | toJson | replace "\"" "\\\"" -}}
 {{- $params := dict "resources" (printf "\"%s\"" $res) "metrics-export-port" "8080" -}}
 {{- toYaml (merge (deepCopy .group.rayStartParams) $params) -}}
+{{- end -}}
+
+{{/*
+A Ray group's container resources: a worker group that asks for GPUs (nvidia.com/gpu in
+requests or limits) asks for tpSize of them, one per tensor-parallel rank. Call with the group.
+*/}}
+{{- define "nibble.groupResources" -}}
+{{- $res := deepCopy .resources -}}
+{{- if .tpSize -}}
+{{- range $kind := list "requests" "limits" -}}
+{{- $m := index $res $kind | default dict -}}
+{{- if hasKey $m "nvidia.com/gpu" -}}
+{{- $_ := set $m "nvidia.com/gpu" (int $.tpSize) -}}
+{{- $_ := set $res $kind $m -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- toYaml $res -}}
 {{- end -}}

@@ -122,7 +122,7 @@ def run_rank(rank: int, size: int, port: int, arch: ModelArchConfig, kv: str, qu
             stop_followers(tp)
             queue.put(("ok", [t.tolist() for t in got]))
         else:
-            follow(eng.runner, tp)
+            follow(eng.runner, tp, eng.runner.tier_mirror)
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - reported to the parent test
         queue.put(("error", f"rank {rank}: {traceback.format_exc()}"))
