@@ -60,6 +60,9 @@ async def race_disconnect(request: Request, aw: Awaitable[T]) -> T:
         return task.result()
     task.add_done_callback(_consume_result)
     task.cancel()
+    # Let the cancellation land: until it has, the engine stream the task awaits is still
+    # running and closing it (the caller's next step) raises "already running".
+    await asyncio.wait({task})
     raise ClientDisconnected()
 
 
