@@ -97,6 +97,8 @@ def _validate_tp(cfg: NibbleConfig) -> None:
     if n < 1:
         raise ConfigError(f"--tp-size must be >= 1, got {n}")
     _validate_role_tp(cfg)
+    if cfg.disagg.disaggregate:
+        n = max(n, *role_tp_sizes(cfg))
     if n == 1:
         return
     if cfg.device.device == "cuda":
@@ -105,8 +107,8 @@ def _validate_tp(cfg: NibbleConfig) -> None:
 
 
 def _validate_role_tp(cfg: NibbleConfig) -> None:
-    """--prefill-tp-size / --decode-tp-size: only with --disaggregate, equal, and 1 until
-    pages move rank to rank between worker groups."""
+    """--prefill-tp-size / --decode-tp-size: only with --disaggregate, and equal (each rank's
+    pages move to the same rank of the decode group, services/disagg/rank_transfer.py)."""
     d = cfg.disagg
     given = [f for f, v in (("--prefill-tp-size", d.prefill_tp_size),
                             ("--decode-tp-size", d.decode_tp_size)) if v is not None]
@@ -124,9 +126,3 @@ def _validate_role_tp(cfg: NibbleConfig) -> None:
             f"--prefill-tp-size {prefill} and --decode-tp-size {decode} differ: re-slicing KV "
             f"heads during the prefill -> decode transfer is not supported; give both the "
             f"same size")
-    if prefill > 1:
-        raise ConfigError(
-            f"--disaggregate with tensor-parallel workers (size {prefill}) is not supported "
-            f"yet: the per-rank page transfer between a prefill and a decode group is not "
-            f"built; use --tp-size 1 (and --prefill-tp-size / --decode-tp-size 1) with "
-            f"--disaggregate, or run colocated with --tp-size {prefill}")

@@ -16,6 +16,7 @@ import os
 from typing import AsyncIterator
 
 from ..config import NibbleConfig
+from ..config.validate import role_tp_sizes
 from ..engine.async_engine import redacted_config
 from ..engine.client import EngineStats
 from ..engine.types import GenerateRequest, RequestOutput
@@ -50,9 +51,12 @@ def _init_ray(cfg: NibbleConfig) -> bool:
 
 
 def actor_config(cfg: NibbleConfig) -> NibbleConfig:
-    """The config the actors get: without the API keys, which only the gateway checks."""
+    """The config the actors get: without the API keys, which only the gateway checks, and
+    with the workers' tensor-parallel size (--prefill-tp-size / --decode-tp-size, which
+    validate.py keeps equal; default --tp-size) as the actors' --tp-size."""
     server = dataclasses.replace(cfg.server, api_keys=(), admin_api_keys=())
-    return dataclasses.replace(cfg, server=server)
+    device = dataclasses.replace(cfg.device, tp_size=role_tp_sizes(cfg)[0])
+    return dataclasses.replace(cfg, server=server, device=device)
 
 
 async def _within(aw, timeout: float):

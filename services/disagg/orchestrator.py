@@ -182,7 +182,8 @@ class Orchestrator:
             beat = asyncio.get_running_loop().create_task(self._heartbeat(d, req.request_id))
             try:
                 res = await asyncio.wait_for(p.prefill.remote(
-                    req, grant["ticket"], grant["prefix_pages"], grant["endpoint"]), t.remaining())
+                    req, grant["ticket"], grant["prefix_pages"], grant["endpoint"],
+                    grant.get("rank_peers")), t.remaining())
             finally:
                 beat.cancel()
             stream = self._iter(d.decode.options(num_returns="streaming").remote(

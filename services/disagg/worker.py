@@ -34,6 +34,7 @@ from ..engine.builder import build_parts
 from ..engine.kv_connector import KVConnector
 from ..engine.types import GenerateRequest, RequestOutput, TokenLogprob
 from ..errors import ConfigError
+from .rank_transfer import RankTransfers, group_checksum
 from .transfer_state import TransferError
 
 log = logging.getLogger(__name__)
@@ -123,6 +124,8 @@ class EngineWorker:
         self.transport = create_transport(cfg.disagg.kv_transport, **transport_options(
             cfg.disagg, self.transfer_key))
         self.transport.attach(self.pool.pages)
+        self.tp = parts.core.runner.tp          # tensor parallel: this actor is rank 0
+        self.ranks = RankTransfers(self.tp, self.pool.pages) if self.tp.size > 1 else None
         self.incarnation = os.urandom(8).hex()    # changes when Ray restarts the actor
         self._tickets: dict[str, str] = {}        # request id -> open transfer ticket id
         log.info("%s worker %s ready (%s transport)", role, worker_id, cfg.disagg.kv_transport)
@@ -173,14 +176,20 @@ class EngineWorker:
         res = await self.engine.call(self.connector.reserve, req, lease_s)
         ticket = self.transport.issue_ticket(req.request_id, list(res.new_pages), deadline_s)
         self._tickets[req.request_id] = ticket.ticket_id
+        peers = None
+        if self.ranks is not None:          # the same pages on every rank: a ticket each
+            peers = await self.engine.call(self.ranks.expect, req.request_id,
+                                           list(res.new_pages), deadline_s)
         return {"ticket": ticket, "prefix_pages": len(res.prefix_pages),
-                "endpoint": self.transport.endpoint()}
+                "endpoint": self.transport.endpoint(), "rank_peers": peers}
 
     def _revoke(self, request_id: str) -> None:
         """Engine thread, before a reservation's pages are freed: refuse late writes."""
         ticket_id = self._tickets.pop(request_id, None)
         if ticket_id is not None:
             self.transport.revoke(ticket_id)
+            if self.ranks is not None:
+                self.ranks.close(request_id, consumed=False)
 
     async def extend_lease(self, request_id: str, lease_s: float) -> bool:
         return await self.engine.call(self.connector.extend, request_id, lease_s)
@@ -199,7 +208,7 @@ class EngineWorker:
         if not await self.engine.call(self.connector.has_reservation, req.request_id):
             # retryable: the orchestrator recomputes instead of failing the request
             raise TransferError(f"{req.request_id}: the reservation expired before install")
-        got = await asyncio.to_thread(page_set_checksum, self.pool.pages, list(ticket.dst_pages))
+        got = await self._received_checksum(req.request_id, list(ticket.dst_pages))
         try:
             check_transfer(self.transfer_key, ticket, checksum, tag, got)
         except TransferError:
@@ -207,8 +216,17 @@ class EngineWorker:
             raise
         self._tickets.pop(req.request_id, None)          # complete: nothing left to revoke
         self.transport.consume(ticket.ticket_id, ticket.nbytes)
+        if self.ranks is not None:
+            await self.engine.call(self.ranks.close, req.request_id, True)
         async for out in self.engine.generate_prefilled(req, first_token, first_logprob):
             yield out
+
+    async def _received_checksum(self, request_id: str, pages: list[int]) -> str:
+        """The checksum of ``pages`` as they landed: this pool's, or under tensor parallelism
+        the group checksum over every rank's pool (rank_transfer.py)."""
+        if self.ranks is None:
+            return await asyncio.to_thread(page_set_checksum, self.pool.pages, pages)
+        return await self.engine.call(self.ranks.checksum, request_id, pages)
 
     async def generate(self, req: GenerateRequest):
         """Colocated generation on this worker (skipped prefill, or recompute after a failure)."""
@@ -217,8 +235,12 @@ class EngineWorker:
 
     # ---- prefill role ----
     async def prefill(self, req: GenerateRequest, ticket: TransferTicket, prefix_pages: int,
-                      peer_endpoint: bytes) -> dict:
-        """Compute ``req``'s prompt, write pages ``prefix_pages..`` into the reservation."""
+                      peer_endpoint: bytes, rank_peers: list | None = None) -> dict:
+        """Compute ``req``'s prompt, write pages ``prefix_pages..`` into the reservation.
+
+        Tensor parallel: ``rank_peers`` are the decode ranks 1..'s (ticket, endpoint); each
+        follower writes its own pages to its peer, and the checksum returned (and signed for
+        ``ticket``) is the group checksum over every rank's pages."""
         pre = dataclasses.replace(req, sampling=dataclasses.replace(req.sampling, max_tokens=1),
                                   hold_pages=True)
         first: RequestOutput | None = None
@@ -238,11 +260,22 @@ class EngineWorker:
                 raise TransferError(f"{req.request_id}: {len(src)} pages for "
                                     f"{len(ticket.dst_pages)} reserved")
             checksum = await asyncio.to_thread(page_set_checksum, self.pool.pages, src)
-            await self._send(peer_endpoint, ticket, src, checksum)
+            nbytes = len(src) * self.pool.layout.page_nbytes
+            if self.ranks is None:
+                await self._send(peer_endpoint, ticket, src, checksum)
+            else:                # every rank pair at once; the followers' on the engine thread
+                if rank_peers is None:
+                    raise TransferError(f"{req.request_id}: a tensor-parallel prefill needs "
+                                        f"the decode group's per-rank tickets")
+                theirs, _ = await asyncio.gather(
+                    self.engine.call(self.ranks.send, req.request_id, rank_peers, src),
+                    self._send(peer_endpoint, ticket, src, checksum))
+                checksum = group_checksum([checksum, *theirs])
+                nbytes += sum(t.nbytes for t, _ in rank_peers)
             return {"first_token": first.new_token_ids[0], "checksum": checksum,
                     "first_logprob": (first.logprobs or [None])[0],
                     "checksum_tag": checksum_tag(self.transfer_key, ticket, checksum),
-                    "nbytes": len(src) * self.pool.layout.page_nbytes, "pages": len(src)}
+                    "nbytes": nbytes, "pages": len(src)}
         finally:
             await self.engine.call(self.connector.release_held, req.request_id)
 

@@ -210,6 +210,8 @@ class AsyncEngine:
                 future.set_result(fn())
             except Exception as e:  # noqa: BLE001 - handed to the caller
                 future.set_exception(e)
+                if is_device_fault(e):      # e.g. a tensor-parallel rank gone mid-transfer
+                    self._die(e)
 
     @staticmethod
     def _zero_usage(req: GenerateRequest) -> Usage:
@@ -224,7 +226,7 @@ class AsyncEngine:
         except queue.Empty:
             return
         self._handle(kind, payload)
-        while not block:
+        while not block and self._dead is None:
             try:
                 kind, payload = self._inbox.get_nowait()
             except queue.Empty:

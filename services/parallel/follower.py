@@ -34,9 +34,11 @@ class TierMirrorMissingError(NibbleError):
     """Rank 0 sent tier moves to a follower built without tiers (configs differ)."""
 
 
-def follow(runner, tp: TPGroup, mirror=None) -> None:
+def follow(runner, tp: TPGroup, mirror=None, kv=None) -> None:
     """Run rank 0's steps on ``runner`` (a ModelRunner on this rank's shard) until it stops;
-    ``mirror``: this rank's ``TierMirror`` (None without L2/L3)."""
+    ``mirror``: this rank's ``TierMirror`` (None without L2/L3); ``kv``: this rank's
+    ``FollowerTransfers`` in a disaggregated worker (``services/disagg/rank_transfer.py``:
+    rank 0's ``("kv", op, ...)`` messages, each answered by a gather), else None."""
     log.info("tensor-parallel rank %d of %d following rank 0", tp.rank, tp.size)
     while True:
         msg = tp.broadcast_object()
@@ -47,6 +49,10 @@ def follow(runner, tp: TPGroup, mirror=None) -> None:
                 raise TierMirrorMissingError(
                     f"rank {tp.rank} has no tiers but rank 0 sent tier moves")
             tp.gather_object(mirror.apply(msg[1]))
+            continue
+        if msg[0] == "kv":
+            tp.gather_object(("err", f"rank {tp.rank} has no KV transport") if kv is None
+                             else kv.handle(*msg[1:]))
             continue
         _, batch, page_size = msg
         runner.forward_only(batch, page_size)

@@ -5,7 +5,12 @@ gloo group with them and returns it; each follower loads its shard of the same m
 builds the same engine (its pool holds its KV heads; calibration runs in step with
 rank 0, since the model's forwards collect) and runs rank 0's steps until told to stop
 (follower.py). A follower whose parent is gone exits: it cannot be left waiting in a
-collective. Ray placement groups for multi-node groups are not built yet.
+collective. In a disaggregated worker the followers also get their own KV transport
+(``services/disagg/rank_transfer.py``).
+
+A disaggregated ``EngineWorker`` actor (rank 0) starts its followers here too, as local
+processes of the actor's node: Ray placement groups (STRICT_PACK) with follower actors,
+for groups spanning Ray-managed resources, are not built yet.
 """
 
 from __future__ import annotations
@@ -56,7 +61,9 @@ def _follower_main(rank: int, size: int, port: int, cfg, parent: int) -> None:
                         cfg.model.load_format, tp=tp)
     core = build_engine_core(loaded.model, loaded.tokenizer, cfg, device=device,
                              fingerprint=loaded.fingerprint)
-    follow(core.runner, tp, core.runner.tier_mirror)
+    from ..disagg.rank_transfer import follower_transfers
+    follow(core.runner, tp, core.runner.tier_mirror,
+           follower_transfers(cfg, core.pool.pages, rank))
 
 
 def start_group(cfg) -> tuple[TorchGroup, list]:

@@ -217,9 +217,8 @@ def test_full_command_line_round_trip(tmp_path):
 @pytest.mark.parametrize("args,needle", [
     (["--tp-size", "0"], "--tp-size must be >= 1"),
     (["--tp-size", "2", "--device", "cuda"], "runs on CPU"),
-    (["--tp-size", "2", "--disaggregate"], "per-rank page transfer .* is not built"),
-    (["--disaggregate", "--prefill-tp-size", "2", "--decode-tp-size", "2"],
-     "per-rank page transfer"),
+    (["--disaggregate", "--prefill-tp-size", "2", "--decode-tp-size", "2", "--device",
+      "cuda"], "runs on CPU"),
     (["--disaggregate", "--decode-tp-size", "2"], "re-slicing KV heads during the prefill"),
     (["--tp-size", "2", "--disaggregate", "--prefill-tp-size", "1"],
      "--prefill-tp-size 1 and --decode-tp-size 2 differ"),
@@ -229,6 +228,15 @@ def test_full_command_line_round_trip(tmp_path):
 def test_tensor_parallel_limits_are_refused_by_name(args, needle):
     with pytest.raises(ConfigError, match=needle):
         parse(*args)
+
+
+def test_disaggregated_tensor_parallel_workers_of_equal_size_are_accepted():
+    from nibble.services.config.validate import role_tp_sizes
+    from nibble.services.disagg.client import actor_config
+    assert role_tp_sizes(parse("--tp-size", "2", "--disaggregate", "--device", "cpu")) == (2, 2)
+    cfg = parse("--disaggregate", "--device", "cpu", "--prefill-tp-size", "2",
+                "--decode-tp-size", "2")
+    assert cfg.device.tp_size == 1 and actor_config(cfg).device.tp_size == 2
 
 
 def test_role_tp_sizes_default_to_tp_size():
