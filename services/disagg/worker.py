@@ -8,6 +8,14 @@ colocated generation: skipped prefill or recompute). Prefill role: ``prefill``
 return the first token, the page-set checksum and the checksum tag that binds
 it to the ticket).
 
+Tensor parallel (``--tp-size N``): the actor is rank 0 of its worker's group; ``build_parts``
+starts ranks 1.. as local processes of the actor (``services/parallel/launch.py``), which
+keeps a group on one node (what a STRICT_PACK placement group would ensure) and ties the
+followers' lifetime to the actor's: a follower exits when the actor does, and a follower that
+dies breaks the group, so the actor exits and Ray restarts the whole group. Followers as Ray
+actors in a placement group (for Ray-managed CPUs/GPUs per rank) are not built yet. Each
+rank's pages go to the same rank of the decode group (``rank_transfer.py``).
+
 The transfer key is derived from the deployment's KV secret, which every
 worker loads from ``--kv-secret-file`` (on a local cluster the gateway writes a
 private file for it) or ``$NIBBLE_KV_SECRET``; it never travels in a Ray
