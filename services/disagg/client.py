@@ -64,6 +64,26 @@ async def _within(aw, timeout: float):
     return await asyncio.wait_for(aw, timeout)
 
 
+async def _start_worker(cfg: NibbleConfig, name: str, role: str, cuda: bool, n_workers: int):
+    """One worker actor; under tensor parallelism rank 0 of a group whose bundles (one per
+    rank, STRICT_PACK: one node) are reserved first, so the followers it starts as Ray actors
+    in bundles 1.. (``parallel/ray_group.py``) always find their place beside it. On CPU each
+    rank asks for 0.5 CPU, less where the cluster would not fit every rank of every worker."""
+    import ray
+
+    from ..parallel.ray_group import in_bundle, worker_placement
+    from .worker import make_worker_class
+
+    size, gpus = cfg.device.tp_size, 1 if cuda else 0
+    cpus = min(0.5, ray.cluster_resources().get("CPU", 1) / (n_workers * size))
+    actor_cls = make_worker_class(role, num_gpus=gpus, num_cpus=cpus)
+    if size == 1:
+        return actor_cls.options(name=name, get_if_exists=True).remote(cfg, role, name)
+    pg = await asyncio.to_thread(worker_placement, name, size, cpus, gpus)
+    return actor_cls.options(name=name, get_if_exists=True, **in_bundle(pg, 0)).remote(
+        cfg, role, name, (pg, cpus, gpus))
+
+
 class DisaggEngine:
     """An ``EngineClient`` (services/engine/client.py) over the router and worker actors."""
 
@@ -93,7 +113,6 @@ class DisaggEngine:
 
         from ..models.loader import load_tokenizer
         from .orchestrator import make_orchestrator_class
-        from .worker import make_worker_class
 
         started = await asyncio.to_thread(_init_ray, cfg)
         actor_cfg = actor_config(cfg)
@@ -104,9 +123,7 @@ class DisaggEngine:
         roles |= {f"nibble-decode-{i}": "decode" for i in range(cfg.disagg.decode_workers)}
         workers = {}
         for name, role in roles.items():
-            actor_cls = make_worker_class(role, num_gpus=1 if cuda else 0, num_cpus=0.5)
-            workers[name] = actor_cls.options(name=name, get_if_exists=True).remote(
-                actor_cfg, role, name)
+            workers[name] = await _start_worker(actor_cfg, name, role, cuda, len(roles))
         await asyncio.gather(*(w.info.remote() for w in workers.values()))
         router = make_orchestrator_class().options(name="nibble-router", get_if_exists=True).remote(
             actor_cfg, roles)

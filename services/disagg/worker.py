@@ -8,12 +8,11 @@ colocated generation: skipped prefill or recompute). Prefill role: ``prefill``
 return the first token, the page-set checksum and the checksum tag that binds
 it to the ticket).
 
-Tensor parallel (``--tp-size N``): the actor is rank 0 of its worker's group; ``build_parts``
-starts ranks 1.. as local processes of the actor (``services/parallel/launch.py``), which
-keeps a group on one node (what a STRICT_PACK placement group would ensure) and ties the
-followers' lifetime to the actor's: a follower exits when the actor does, and a follower that
-dies breaks the group, so the actor exits and Ray restarts the whole group. Followers as Ray
-actors in a placement group (for Ray-managed CPUs/GPUs per rank) are not built yet. Each
+Tensor parallel (``--tp-size N``): the actor is rank 0 of its worker's group, in bundle 0 of
+the worker's STRICT_PACK placement group; it starts ranks 1.. as Ray actors in bundles 1..
+(``services/parallel/ray_group.py`` says why) and owns them, so they die with it; a follower
+that dies breaks the group, so the actor exits and Ray restarts the whole group. Without a
+placement group (``placement=None``) the followers are local processes (``launch.py``). Each
 rank's pages go to the same rank of the decode group (``rank_transfer.py``).
 
 The transfer key is derived from the deployment's KV secret, which every
@@ -26,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -119,11 +119,21 @@ def check_transfer(key: bytes, ticket: TransferTicket, checksum: str, tag: bytes
 class EngineWorker:
     """Plain class; ``make_worker_class`` wraps it with ``ray.remote``."""
 
-    def __init__(self, cfg: NibbleConfig, role: str, worker_id: str):
+    def __init__(self, cfg: NibbleConfig, role: str, worker_id: str,
+                 placement: tuple | None = None):
+        """``placement``: (placement group, CPUs, GPUs per rank) of a tensor-parallel worker
+        whose followers run as Ray actors in that group's bundles 1.. (ray_group.py); None:
+        TP=1, or followers as local processes (launch.py)."""
         logging.basicConfig(level=cfg.server.log_level.upper())
         self.cfg, self.role, self.worker_id = cfg, role, worker_id
         self.transfer_key = worker_transfer_key(cfg)
-        parts = build_parts(cfg)
+        start = None
+        if placement is not None and cfg.device.tp_size > 1:
+            from ..parallel.ray_group import start_ray_group
+            start = functools.partial(start_ray_group, pg=placement[0], num_cpus=placement[1],
+                                      num_gpus=placement[2])
+        parts = build_parts(cfg, start)
+        self.follower_pids = list(parts.follower_pids)
         self.connector = KVConnector()            # reservations, leases, held pages
         parts.core.attach_connector(self.connector)
         self.connector.on_release = self._revoke
@@ -160,6 +170,7 @@ class EngineWorker:
         s.update(self.connector.stats())
         s["incarnation"] = self.incarnation
         s["pid"] = os.getpid()             # for operators (and the soak bench's worker kill)
+        s["tp_follower_pids"] = self.follower_pids
         s["transfers_received"] = len(self.transport.received())   # drained each poll
         s["transfers_rejected"] = len(self.transport.rejected())
         return s

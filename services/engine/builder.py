@@ -64,6 +64,7 @@ class EngineParts:
     fingerprint: str
     backend_name: str
     bytes_per_token_by_format: dict[str, float]
+    follower_pids: tuple[int, ...] = ()          # tensor parallel: ranks 1.. (for operators)
 
 
 def resolve_device(cfg: DeviceConfig) -> torch.device:
@@ -241,19 +242,25 @@ def build_grammar(name: str, tokenizer, vocab_size: int) -> GrammarBackend | Non
     return backend
 
 
-def build_parts(cfg: NibbleConfig) -> EngineParts:
-    """The server's engine: the model of ``cfg.model`` loaded, then ``build_engine_core``."""
+def build_parts(cfg: NibbleConfig, start_group=None) -> EngineParts:
+    """The server's engine: the model of ``cfg.model`` loaded, then ``build_engine_core``.
+
+    ``start_group(cfg) -> (TPGroup, [follower pid])`` forms the tensor-parallel group when
+    ``--tp-size`` > 1 (default: local processes, ``parallel/launch.py``; a disaggregated
+    worker in a Ray placement group passes ``parallel/ray_group.py``'s)."""
     from ..models.loader import load_model  # heavy import, deferred
 
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.model.dtype, device)
-    tp = None
+    tp, pids = None, ()
     if cfg.device.tp_size > 1:
         if device.type != "cpu":
             raise ConfigError("--tp-size > 1 runs on CPU (gloo) in this version: add "
                               "--device cpu")
-        from ..parallel.launch import start_group
-        tp, _ = start_group(cfg)       # the followers are daemons: they end with this process
+        if start_group is None:        # the followers are daemons: they end with this process
+            from ..parallel.launch import start_group
+        tp, started = start_group(cfg)
+        pids = tuple(getattr(p, "pid", p) for p in started)
     loaded = load_model(cfg.model.model_path, dtype, device, cfg.model.load_format, tp=tp)
     core = build_engine_core(loaded.model, loaded.tokenizer, cfg, device=device,
                              fingerprint=loaded.fingerprint)
@@ -271,4 +278,5 @@ def build_parts(cfg: NibbleConfig) -> EngineParts:
              {k: round(v, 1) for k, v in per_format.items()},
              per_format["fp8_e4m3"] / per_format["nvfp4"])
     name = cfg.model.served_model_name or loaded.name
-    return EngineParts(core, loaded.tokenizer, name, loaded.fingerprint, backend_name, per_format)
+    return EngineParts(core, loaded.tokenizer, name, loaded.fingerprint, backend_name, per_format,
+                       pids)

@@ -8,9 +8,8 @@ rank 0, since the model's forwards collect) and runs rank 0's steps until told t
 collective. In a disaggregated worker the followers also get their own KV transport
 (``services/disagg/rank_transfer.py``).
 
-A disaggregated ``EngineWorker`` actor (rank 0) starts its followers here too, as local
-processes of the actor's node: Ray placement groups (STRICT_PACK) with follower actors,
-for groups spanning Ray-managed resources, are not built yet.
+A disaggregated ``EngineWorker`` actor starts its followers as Ray actors in its placement
+group instead (``ray_group.py``), through ``join`` and ``run_follower``.
 """
 
 from __future__ import annotations
@@ -30,15 +29,16 @@ log = logging.getLogger(__name__)
 IDLE_TIMEOUT = datetime.timedelta(days=7)
 
 
-def _free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
-def _join(rank: int, size: int, port: int) -> TorchGroup:
+def join(rank: int, size: int, port: int, host: str = "127.0.0.1") -> TorchGroup:
+    """Join the gloo group whose rank 0 listens on ``host:port``."""
     import torch.distributed as dist
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = host, str(port)
     dist.init_process_group("gloo", rank=rank, world_size=size, timeout=IDLE_TIMEOUT)
     return TorchGroup()
 
@@ -50,12 +50,17 @@ def _exit_with_parent(parent: int) -> None:
 
 
 def _follower_main(rank: int, size: int, port: int, cfg, parent: int) -> None:
-    from ..engine.builder import build_engine_core, resolve_device, resolve_dtype
-    from ..models.loader import load_model
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(levelname)s "
                                                    "%(name)s: %(message)s")
     threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
-    tp = _join(rank, size, port)
+    run_follower(join(rank, size, port), cfg)
+
+
+def run_follower(tp: TorchGroup, cfg) -> None:
+    """Rank ``tp.rank``: load its shard, build its engine, follow rank 0 until it stops."""
+    from ..engine.builder import build_engine_core, resolve_device, resolve_dtype
+    from ..models.loader import load_model
+    rank = tp.rank
     device = resolve_device(cfg.device)
     loaded = load_model(cfg.model.model_path, resolve_dtype(cfg.model.dtype, device), device,
                         cfg.model.load_format, tp=tp)
@@ -69,7 +74,7 @@ def _follower_main(rank: int, size: int, port: int, cfg, parent: int) -> None:
 def start_group(cfg) -> tuple[TorchGroup, list]:
     """Rank 0's group of ``cfg.device.tp_size`` ranks (this process and its followers)."""
     import torch.multiprocessing as mp
-    size, port = cfg.device.tp_size, _free_port()
+    size, port = cfg.device.tp_size, free_port()
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_follower_main, args=(r, size, port, cfg, os.getpid()),
                          daemon=True, name=f"nibble-tp-rank{r}") for r in range(1, size)]
@@ -77,4 +82,4 @@ def start_group(cfg) -> tuple[TorchGroup, list]:
         p.start()
     log.info("tensor parallel: %d ranks on this machine (followers: pids %s)", size,
              [p.pid for p in procs])
-    return _join(0, size, port), procs
+    return join(0, size, port), procs

@@ -1,7 +1,7 @@
 """End to end over Ray on CPU: `nibble serve --disaggregate --tp-size 2` (grpc transport).
 
-The prefill and the decode worker are each a group of two ranks (the Ray actor is rank 0,
-its follower a local process of the actor); the default model's 3 KV heads split 1 + 2, so
+The prefill and the decode worker are each a group of two ranks (the worker actor is rank 0,
+its follower a Ray actor in the same STRICT_PACK placement group); the default model's 3 KV heads split 1 + 2, so
 the two ranks' pages differ in size and each goes to the same rank of the decode group.
 Greedy output equals the colocated TP=1 server's; a killed follower takes its worker down
 with a clear error and leaves no page held. BF16 KV keeps start-up short (no K-recipe
@@ -49,24 +49,6 @@ def servers(tmp_path_factory):
         colo.stop()
 
 
-def _followers(pid: int) -> list[int]:
-    """The spawned tensor-parallel followers of process ``pid`` (its children)."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                spawned = b"spawn_main" in f.read()
-        except (OSError, ValueError, IndexError):
-            continue
-        if ppid == pid and spawned:
-            out.append(int(entry))
-    return out
-
-
 def _gone(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -89,14 +71,15 @@ def test_tp2_disaggregated_equals_colocated_tp1(servers):
     # the bytes of both ranks' pages: the whole model's 3 KV heads (bf16, 30 layers, D=64)
     assert t["transfer_bytes"] % (30 * 3 * 2 * 64 * 2 * 16) == 0 and t["transfer_bytes"] > 0
     workers = disagg.wait_workers_idle(20, 0.25)
-    for w in workers.values():
-        assert len(_followers(w["pid"])) == 1, "each worker is a group of two ranks"
+    for w in workers.values():             # each worker: a group of two ranks, two processes
+        (follower,) = w["tp_follower_pids"]
+        assert follower != w["pid"] and not _gone(follower)
 
 
 def test_a_killed_prefill_follower_fails_the_request_clearly_and_holds_no_page(servers):
     _, disagg = servers
     prefill = disagg.info()["workers"]["nibble-prefill-0"]
-    (follower,) = _followers(prefill["pid"])
+    (follower,) = prefill["tp_follower_pids"]
     os.kill(follower, 9)
     while not _gone(follower):          # the group is broken once the process is gone
         os.sched_yield()
