@@ -106,8 +106,12 @@ class FollowerTransfers:
 
     def handle(self, op: str, *args) -> tuple[str, object]:
         """("ok", answer) or ("err", message) for one op; never raises a transfer error."""
+        ops = {"expect": self._expect, "send": self._send, "checksum": self._checksum,
+               "close": self._close}
+        if op not in ops:
+            return "err", f"unknown kv op {op!r} (rank 0 runs another version)"
         try:
-            return "ok", getattr(self, f"_{op}")(*args)
+            return "ok", ops[op](*args)
         except (TransportError, TransferError, ValueError) as exc:
             log.warning("rank %d: kv %s failed: %s", self.rank, op, exc)
             return "err", f"{type(exc).__name__}: {exc}"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import time
 
 import httpx
 import pytest
@@ -77,6 +78,8 @@ def test_tp2_disaggregated_equals_colocated_tp1(servers):
 
 
 def test_a_killed_prefill_follower_fails_the_request_clearly_and_holds_no_page(servers):
+    """The group breaks: the request fails naming the lost rank (policy ``fail``), the decode
+    reservation is cancelled, and Ray restarts the whole prefill group."""
     _, disagg = servers
     prefill = disagg.info()["workers"]["nibble-prefill-0"]
     (follower,) = prefill["tp_follower_pids"]
@@ -91,4 +94,14 @@ def test_a_killed_prefill_follower_fails_the_request_clearly_and_holds_no_page(s
     decode = disagg.info()["workers"]["nibble-decode-0"]
     assert decode["free_pages"] == decode["total_pages"]
     assert decode["reservations"] == 0 and decode["held"] == 0
+    # Ray restarts the prefill worker in its bundle, with a new follower; pages cross again
+    deadline = time.monotonic() + 120
+    while "nibble-prefill-0" not in disagg.info()["transfers"]["alive_workers"]:
+        assert time.monotonic() < deadline, "Ray did not restart the prefill group"
+        time.sleep(0.5)
+    again = disagg.info()["workers"]["nibble-prefill-0"]
+    assert again["pid"] != prefill["pid"] and again["tp_follower_pids"] != [follower]
+    body["messages"][0]["content"] = "Tell me about the moon landing in one sentence."
+    assert chat(disagg.url, body).status_code == 200
+    assert disagg.info()["transfers"]["transfer_success"] == 2
 

@@ -120,3 +120,34 @@ def test_a_revoked_follower_ticket_refuses_late_writes(groups):
 def test_one_rank_keeps_its_own_checksum():
     assert group_checksum(["ab"]) == "ab"
     assert group_checksum(["ab", "cd"]) != group_checksum(["cd", "ab"])
+
+
+class ScriptedGroup(TPGroup):
+    """A follower's view: rank 0's broadcasts come from ``script``; gathers are recorded."""
+
+    rank, size = 1, 2
+
+    def __init__(self, script):
+        self.script, self.sent = list(script), []
+
+    def broadcast_object(self, obj=None):
+        return self.script.pop(0)
+
+    def gather_object(self, obj=None):
+        self.sent.append(obj)
+
+
+def test_the_follower_loop_answers_every_kv_op_even_without_a_transport():
+    from nibble.services.parallel.follower import follow
+    g = ScriptedGroup([("kv", "checksum", "req", [0]), ("stop",)])
+    follow(runner=None, tp=g, mirror=None, kv=None)
+    assert g.sent == [("err", "rank 1 has no KV transport")]     # rank 0 is never left waiting
+    pool = torch.arange(2 * 8, dtype=torch.int64).to(torch.uint8).reshape(2, 1, 8)
+    t = _transport(pool)
+    try:
+        g = ScriptedGroup([("kv", "checksum", "req", [1]), ("kv", "nope"), ("stop",)])
+        follow(runner=None, tp=g, mirror=None, kv=FollowerTransfers(t, 1))
+    finally:
+        t.close()
+    assert g.sent[0] == ("ok", page_set_checksum(pool, [1]))
+    assert g.sent[1][0] == "err"
