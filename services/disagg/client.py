@@ -79,7 +79,9 @@ async def _start_worker(cfg: NibbleConfig, name: str, role: str, cuda: bool, n_w
     actor_cls = make_worker_class(role, num_gpus=gpus, num_cpus=cpus)
     if size == 1:
         return actor_cls.options(name=name, get_if_exists=True).remote(cfg, role, name)
-    pg = await asyncio.to_thread(worker_placement, name, size, cpus, gpus)
+    custom = f"nibble_{role}"       # what make_worker_class asks for, where nodes offer it
+    rank0 = {custom: 1} if custom in ray.cluster_resources() else None
+    pg = await asyncio.to_thread(worker_placement, name, size, cpus, gpus, rank0)
     return actor_cls.options(name=name, get_if_exists=True, **in_bundle(pg, 0)).remote(
         cfg, role, name, (pg, cpus, gpus))
 

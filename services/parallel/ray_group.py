@@ -30,13 +30,16 @@ PLACEMENT_TIMEOUT_S = 120.0
 
 
 def worker_placement(name: str, size: int, num_cpus: float, num_gpus: float,
-                     strategy: str = "STRICT_PACK"):
+                     rank0: dict | None = None, strategy: str = "STRICT_PACK"):
     """A placement group of ``size`` bundles (one per rank) for worker ``name``, ready;
-    ConfigError when the cluster cannot place it within ``PLACEMENT_TIMEOUT_S``."""
+    ``rank0``: custom resources the rank-0 actor asks for (the Helm chart's
+    ``nibble_prefill``/``nibble_decode``), added to bundle 0. ConfigError when the cluster
+    cannot place it within ``PLACEMENT_TIMEOUT_S``."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
     bundle = {"CPU": num_cpus, **({"GPU": num_gpus} if num_gpus else {})}
-    pg = placement_group([dict(bundle) for _ in range(size)], strategy=strategy,
+    bundles = [dict(bundle, **(rank0 or {}))] + [dict(bundle) for _ in range(size - 1)]
+    pg = placement_group(bundles, strategy=strategy,
                          name=f"{name}-tp{size}")
     ready, _ = ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
     if not ready:
