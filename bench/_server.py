@@ -175,15 +175,21 @@ def add_server_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--labels", nargs="+", default=None, help="one name per config")
 
 
+def step_trace_path(log_dir: pathlib.Path, log_stem: str, i: int) -> pathlib.Path:
+    return log_dir / f"{log_stem}_steps{i}.jsonl"
+
+
 SweepFn = Callable[[str, str, "str | None", int], list[dict[str, Any]]]
 
 
 def for_each_server(base_url: str | None, server_args: Sequence[str] | None,
                     labels: Sequence[str] | None, log_dir: pathlib.Path, log_stem: str,
-                    sweep: SweepFn) -> list[dict[str, Any]]:
+                    sweep: SweepFn, step_trace: bool = False) -> list[dict[str, Any]]:
     """Call ``sweep(url, label, server_args_text, index)`` per config: against ``base_url``, or
     against a server started for that config (file L3 stores isolated in a temp dir, server
-    log at ``log_dir/<log_stem>_server<i>.log``) and stopped right after."""
+    log at ``log_dir/<log_stem>_server<i>.log``) and stopped right after. ``step_trace``: a
+    started server also writes ``log_dir/<log_stem>_steps<i>.jsonl`` (``--step-trace-file``,
+    unless the config names its own)."""
     records: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="nibble-bench-") as scratch:
         for i, (label, argv) in enumerate(server_configs(base_url, server_args, labels)):
@@ -191,6 +197,8 @@ def for_each_server(base_url: str | None, server_args: Sequence[str] | None,
                 records += sweep(base_url, label, None, i)
                 continue
             argv_i = isolate_storage(argv, pathlib.Path(scratch))
+            if step_trace and _flag_value(argv_i, "--step-trace-file") is None:
+                argv_i += ["--step-trace-file", str(step_trace_path(log_dir, log_stem, i))]
             with launched(argv_i, log_dir / f"{log_stem}_server{i}.log") as url:
                 records += sweep(url, label, " ".join(argv), i)
     return records

@@ -42,7 +42,8 @@ from nibble.services.errors import ConfigError
 from . import _plots
 from ._http import StatsSample, StatsSampler, completion_body, server_info, stream_completion
 from ._http import flush_cache, probe_vocab_size
-from ._server import BenchServerError, add_server_options, for_each_server
+from ._server import BenchServerError, add_server_options, for_each_server, step_trace_path
+from ._step_trace import scrape_steps, step_deltas, summarize_trace
 from ._stats import append_jsonl, summarize
 
 ISO_CAPACITY_LEVELS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -181,10 +182,12 @@ def run_level(url: str, args, label: str, concurrency: int, cap: KVCapacity | No
     offsets = arrival_offsets(n, args.request_rate, args.seed)
     flush_cache(url)
     before = (server_info(url).get("stats") or {}).get("num_preemptions", 0)
+    steps_before = scrape_steps(url)
     results, duration, samples = asyncio.run(_run_requests(
         url, prompts, args.output_len, concurrency, offsets, f"{run_id}-c{concurrency}",
         args.temperature, f"{label} c={concurrency}", args.sample_interval))
     after = (server_info(url).get("stats") or {}).get("num_preemptions", 0)
+    steps = step_deltas(steps_before, scrape_steps(url))
     rec: dict[str, Any] = {
         "bench": "serving", "run_id": run_id, "label": label, "mode": args.mode,
         "time": datetime.datetime.now().isoformat(timespec="seconds"),
@@ -193,6 +196,8 @@ def run_level(url: str, args, label: str, concurrency: int, cap: KVCapacity | No
         "input_len": args.input_len, "output_len": args.output_len, "seed": args.seed,
         "temperature": args.temperature, "token_range": [token_lo, token_hi],
         "num_gpus": args.num_gpus, **summarize(results, duration, args.num_gpus)}
+    if steps:
+        rec["steps"] = steps     # the server's step intervals by kind during this run
     if cap is not None:
         rec["server"] = {**asdict(cap), "kv_slots": cap.kv_slots(args.input_len, args.output_len)}
         rec["kv"] = asdict(judge_level(samples, concurrency, cap, args.input_len,
@@ -349,10 +354,33 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         return sweep(url, args, label or external_label(url), server_args, f"{run_id}-{i}", out)
 
     records = for_each_server(args.base_url, args.server_args, args.labels, out.parent, out.stem,
-                              one_config)
+                              one_config, step_trace=True)
     if records:
         report(records, args, out)
+        report_traces(records, out)
     return records
+
+
+def report_traces(records: list[dict[str, Any]], out: pathlib.Path) -> None:
+    """Per started server, its step trace's summary (warm-up included): the slowest steps
+    and what they ran, into ``<stem>_steps.json`` and on the console."""
+    labels = {}
+    for r in records:
+        labels.setdefault(int(r["run_id"].rsplit("-", 1)[1]), r["label"])
+    summaries = {}
+    for i, label in sorted(labels.items()):
+        got = summarize_trace(step_trace_path(out.parent, out.stem, i))
+        if got is None:
+            continue
+        summaries[label] = got
+        kinds = "  ".join(f"{k}: n={v['count']} p50={v['p50_ms']:.1f} p99={v['p99_ms']:.1f} "
+                          f"max={v['max_ms']:.1f} ms" for k, v in got["kinds"].items())
+        print(f"steps {label}: {kinds}")
+        for st in got["slowest"][:3]:
+            print(f"  slow step: {json.dumps(st)}")
+    if summaries:
+        path = out.with_suffix("").with_name(out.stem + "_steps.json")
+        path.write_text(json.dumps(summaries, indent=2))
 
 
 if __name__ == "__main__":

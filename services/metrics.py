@@ -22,7 +22,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
+                                    HistogramMetricFamily, Metric)
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
@@ -90,6 +91,22 @@ class EngineStatsCollector(Collector):
                 yield CounterMetricFamily(PREFIX + name, doc, value=float(s[key]))
         if s.get("tiers") and s["tiers"].get("hierarchical"):
             yield from tier_families(s["tiers"], s.get("num_cached_pages", 0))
+        if s.get("step_intervals"):
+            yield step_interval_family(s["step_intervals"])
+
+
+def step_interval_family(by_kind: dict[str, dict]) -> HistogramMetricFamily:
+    """``StepTimer.snapshot()`` as one histogram with a ``kind`` label."""
+    h = HistogramMetricFamily(
+        PREFIX + "step_interval_seconds",
+        "Time between two engine steps landing, by step kind: decode (generated tokens "
+        "only), mixed (decodes and prompt chunks: what stretches the inter-token latency), "
+        "prefill (prompt chunks only).", labels=["kind"])
+    for kind, v in by_kind.items():
+        buckets = [(repr(float(le)), int(c)) for le, c in v["buckets"]] + \
+            [("+Inf", int(v["count"]))]
+        h.add_metric([kind], buckets, sum_value=float(v["sum"]))
+    return h
 
 
 # Engine totals exported as counters: (stats key, metric name, help).

@@ -180,6 +180,10 @@ class SchedulerConfig:
                 "a long prompt's chunks shrink as its prefix grows and a mixed step stays "
                 "short; N = the context at which a token's attention costs its forward pass; "
                 "-1 derives N from the model (Qwen3-8B: 11776); 0 counts tokens only")
+    step_trace_file: str | None = flag(
+        None, help="write one JSON line per engine step (kind, decodes, chunk and prefix "
+                   "tokens, budget cost, interval since the previous step) to this file, to "
+                   "see which steps stretch the inter-token latency")
 
 
 @dataclass(frozen=True)

@@ -255,6 +255,7 @@ class AsyncEngine:
         for out in self.core.fail_all("server shutting down"):
             self._deliver(out)
         self.core.kv.close()
+        self.core.step_timer.close()
         if self._dead is None:
             stop_followers(self.core.runner.tp)     # tensor parallel: the other ranks end
 

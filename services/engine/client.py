@@ -40,6 +40,7 @@ class EngineStats:
     num_cached_pages: int | None = None         # KV pages held by the prefix cache
     tiers: dict[str, Any] | None = None         # TierManager.stats() (L2/L3 counters), if any
     transfers: dict[str, Any] | None = None     # disaggregation: KV transfer counters
+    step_intervals: dict[str, Any] | None = None  # StepTimer.snapshot(): step interval histograms
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "EngineStats":

@@ -28,6 +28,7 @@ from .model_runner import ModelRunner
 from .overlap import OverlapStepper
 from .scheduler import Scheduler
 from .sequence import Sequence
+from .step_stats import StepShape, StepTimer, shape_of
 from .stop import StopStringMatcher
 from .types import FinishReason, GenerateRequest, RequestOutput, TokenLogprob
 
@@ -94,6 +95,8 @@ class EngineCore:
         # Overlap scheduling (services/engine/overlap.py): step N+1 planned while N runs.
         self.overlap = OverlapStepper(self) if overlap else None
         self.tp_info: dict | None = None      # tensor parallel: the group's capacity (builder)
+        # Step intervals by kind for /metrics, and the --step-trace-file lines.
+        self.step_timer = StepTimer.open(sched_cfg.step_trace_file)
 
     @property
     def max_request_tokens(self) -> int:
@@ -200,6 +203,7 @@ class EngineCore:
             "prompt_tokens_computed": self.num_prompt_tokens_computed,
             "num_cached_pages": kv.num_cached_pages,
             "tiers": self.tiers.stats() if self.tiers is not None else None,
+            "step_intervals": self.step_timer.snapshot(),
         }
 
     def num_waiting(self) -> int:
@@ -242,10 +246,12 @@ class EngineCore:
             self.connector.expire()
         if self.debug_checks and not self.scheduler.has_work():
             self.kv.check_integrity()
+        self.step_timer.idle()
 
     def step(self) -> list[RequestOutput]:
         """Run one batch; return an update for every request that produced a token (with
         overlap scheduling, the updates of the step before, which landed meanwhile)."""
+        self.step_timer.begin()
         if self.overlap is not None:
             return self.overlap.step()
         batch = self.scheduler.schedule()
@@ -297,6 +303,7 @@ class EngineCore:
         ``max_fault_streak`` requests failed in a row with none running cleanly.
         """
         if not batch.seqs:
+            self.step_timer.idle()
             return {}, {}, {}
         t0 = time.perf_counter()
         try:
@@ -311,6 +318,7 @@ class EngineCore:
             return iso.sampled, iso.failed, iso.logprobs
         prefill = sum(len(e.token_ids) for e in batch.seqs if len(e.token_ids) > 1)
         self.kv.observe_prefill(prefill, time.perf_counter() - t0)
+        self.step_timer.landed(self.step_shape(batch.seqs))
         self._count_faults(result.failed, len(result.failed) < len(batch.seqs))
         for rid, (first_pos, lps) in result.prompt_logprobs.items():
             if rid not in result.failed:
@@ -318,6 +326,11 @@ class EngineCore:
                 seq.prompt_lps = {**(seq.prompt_lps or {}),
                                   **{first_pos + j: lp for j, lp in enumerate(lps)}}
         return result.sampled, result.failed, result.logprobs
+
+    def step_shape(self, entries) -> StepShape:
+        """What a step of these ``ScheduledSeq`` entries runs (for the step timer)."""
+        return shape_of(entries, lambda rid: self._seqs[rid].num_prompt,
+                        self.scheduler.cost_ctx)
 
     def _count_faults(self, failed: dict[str, str], any_ok: bool) -> None:
         if any_ok:

@@ -27,6 +27,7 @@ import torch
 from ..errors import DeviceFaultError
 from .faults import describe, is_device_fault
 from .logits_process import StepLogprobs
+from .step_stats import StepShape
 from .types import RequestOutput, ScheduledBatch, ScheduledSeq
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,7 @@ class Launched:
     event: torch.cuda.Event | None   # recorded after the copy (None on CPU: already done)
     rows: dict[str, int] = field(default_factory=dict)   # request id -> row in ``tokens``
     logprobs: StepLogprobs | None = None   # host copy, valid once ``event`` is done
+    shape: StepShape | None = None   # what the step ran (for the engine's step timer)
 
     def wait(self) -> list[int]:
         """The sampled ids on the host (blocks until the device is done with the step)."""
@@ -159,7 +161,7 @@ class OverlapStepper:
             return None
         launched = Launched(picked, [core._seqs[e.request_id].incarnation for e in picked],
                             tokens, host, event, {e.request_id: i for i, e in enumerate(picked)},
-                            lps)
+                            lps, core.step_shape(seqs))
         for e in seqs:              # optimistic: the step ran, its token is on its way
             seq = core._seqs[e.request_id]
             if not e.sample:        # a prompt chunk: computed, nothing to wait for
@@ -195,6 +197,8 @@ class OverlapStepper:
         core = self.core
         outputs: list[RequestOutput] = []
         tokens = launched.wait()
+        if launched.shape is not None:
+            core.step_timer.landed(launched.shape)
         lps = launched.logprobs.to_host(tokens) if launched.logprobs is not None else {}
         failed: dict[str, str] = {}
         for row, (e, inc, token) in enumerate(zip(launched.picked, launched.incarnations, tokens)):

@@ -276,9 +276,28 @@ def test_serving_bench_against_a_real_server(tmp_path_factory, tmp_path):
         assert r["tpot_mean_ms"] > 0 and r["itl_mean_ms"] > 0
         assert 1.0 < r["achieved_concurrency"] <= r["concurrency"] + 0.01
         assert r["cache_hit_rate"] == 0.0                           # random prompts share nothing
+        assert r["steps"]["decode"]["count"] >= 7                   # the server's step histogram
     assert recs[0]["kv"]["peak_running"] == 4
     assert len(read_jsonl(out)) == 2
     summary = json.loads((tmp_path / "serving_summary.json").read_text())
     assert summary[0]["max_fitting_concurrency"] == 4
     for name in ("serving_pareto.png", "serving_bars.png"):
         assert (tmp_path / name).stat().st_size > 5000
+
+
+def test_started_servers_write_a_step_trace(monkeypatch, tmp_path):
+    """``step_trace=True`` adds --step-trace-file next to the server log, unless given."""
+    seen = []
+
+    @__import__("contextlib").contextmanager
+    def fake_launched(argv, log_path, cmd=_server.SERVE_CMD):
+        seen.append(list(argv))
+        yield "http://127.0.0.1:1"
+
+    monkeypatch.setattr(_server, "launched", fake_launched)
+    _server.for_each_server(None, ["--page-size 16", "--step-trace-file mine.jsonl"], None,
+                            tmp_path, "serving", lambda *a: [], step_trace=True)
+    _server.for_each_server(None, ["--page-size 16"], None, tmp_path, "x", lambda *a: [])
+    assert seen[0][-2:] == ["--step-trace-file", str(tmp_path / "serving_steps0.jsonl")]
+    assert seen[1].count("--step-trace-file") == 1 and "mine.jsonl" in seen[1]
+    assert "--step-trace-file" not in seen[2]
