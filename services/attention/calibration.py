@@ -28,6 +28,8 @@ from nibble.kernels.recipe_calibration import calibrate_recipe
 from nibble.kernels.recipes import RecipeParams
 from nibble.tiering import KVPool
 
+from .calibration_cache import CalibrationCache, cache_key
+
 log = logging.getLogger(__name__)
 
 MAX_CALIBRATION_TOKENS = 768
@@ -143,14 +145,18 @@ def capture_qkv(model, ids: Sequence[int], sm_scale: float,
     return captures
 
 
-def calibrate_pool(model, tokenizer, pool: KVPool, arch, context: int | None = None
-                   ) -> RecipeParams | None:
+def calibrate_pool(model, tokenizer, pool: KVPool, arch, context: int | None = None,
+                   cache: CalibrationCache | None = None, fingerprint: str | None = None,
+                   tp=None) -> RecipeParams | None:
     """Calibrate and install the K-recipe parameters of ``pool``'s format, if it has a recipe.
 
     ``arch``: the model's ``ModelArchConfig`` (``sm_scale``, ``vocab_size``,
     ``sliding_windows``, ``max_position_embeddings``); ``context``: the engine's
-    context length (default: the model's). Returns the parameters, or None for a
-    format without a recipe.
+    context length (default: the model's). With a ``cache`` and the weights'
+    ``fingerprint``, parameters calibrated before for the same inputs are read back
+    instead (``calibration_cache.py``); ``tp``: the model's tensor-parallel group, whose
+    ranks all read or all calibrate (the forwards collect). Returns the parameters, or
+    None for a format without a recipe.
     """
     fmt = pool.layout.fmt
     if fmt.k_recipe is None:
@@ -159,15 +165,40 @@ def calibrate_pool(model, tokenizer, pool: KVPool, arch, context: int | None = N
     context = min(context or arch.max_position_embeddings, arch.max_position_embeddings)
     windows = tuple(getattr(arch, "sliding_windows", ()) or ())
     ids = calibration_ids(tokenizer, arch.vocab_size, min(MAX_CALIBRATION_TOKENS, context))
+    key = None
+    if cache is not None and fingerprint:
+        key = cache_key(fingerprint=fingerprint, kv_format=fmt.name, recipe=fmt.k_recipe,
+                        dtype=next(model.parameters()).dtype, device=pool.device.type,
+                        context=context, ids=ids, global_scales=pool.global_scales,
+                        windows=windows, tp_rank=getattr(tp, "rank", 0),
+                        tp_size=getattr(tp, "size", 1))
+        lay = pool.layout
+        params = cache.load(key, fmt.k_recipe, (lay.num_layers, lay.num_kv_heads, lay.head_dim))
+        if tp is not None and tp.size > 1 and not tp.all_min(int(params is not None)):
+            params = None            # another rank misses: all calibrate, in step
+        if params is not None:
+            pool.set_recipe_params(params)
+            log.info("KV format %s: K recipe %s read from the calibration cache in %.2f s "
+                     "(parameters %s)", fmt.name, fmt.k_recipe, time.perf_counter() - start,
+                     params.digest)
+            return params
+    params = _calibrate(model, ids, pool, arch, context, windows)
+    if key is not None:
+        cache.store(key, params)
+    log.info("KV format %s: K recipe %s calibrated on %d tokens in %.2f s (parameters %s)",
+             fmt.name, fmt.k_recipe, len(ids), time.perf_counter() - start, params.digest)
+    return params
+
+
+def _calibrate(model, ids, pool: KVPool, arch, context: int, windows) -> RecipeParams:
+    """Run the calibration forwards, fit the recipe, install the parameters."""
+    fmt = pool.layout.fmt
     shift_starts, map_starts = calibration_starts(len(ids), context)
     runs = [capture_qkv(model, ids, arch.sm_scale, windows, s) for s in shift_starts]
     runs += [capture_qkv(model, ids[:MAP_RUN_TOKENS], arch.sm_scale, windows, s)
              for s in map_starts]
-    starts = shift_starts + map_starts
     params = calibrate_recipe(fmt.k_recipe, runs, arch.sm_scale, fmt.k, fmt.v,
                               pool.global_scales, windows, len(shift_starts))
     pool.set_recipe_params(params)
-    log.info("KV format %s: K recipe %s calibrated on %d tokens at positions %s in %.2f s "
-             "(parameters %s)", fmt.name, fmt.k_recipe, len(ids), starts,
-             time.perf_counter() - start, params.digest)
+    log.debug("calibration runs at positions %s", shift_starts + map_starts)
     return params

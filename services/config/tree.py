@@ -135,6 +135,12 @@ class CacheConfig:
              "the content keys, signs transfer tickets; the same on every replica and worker "
              "(default: $NIBBLE_KV_SECRET, else a random secret per process)")
     enable_experimental_kv_formats: bool = flag(False, help=experimental_help)
+    calibration_cache_dir: str = flag(
+        "auto", metavar="DIR",
+        help="where calibrated K-recipe parameters are kept, so a restart with the same "
+             "weights, format and context skips calibrating (auto: "
+             "$XDG_CACHE_HOME/nibble/calibration or ~/.cache/nibble/calibration; off: "
+             "calibrate at every start). Only a directory private to the user is used")
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from nibble.tiering.tier_mirror import TierMirror
 from .. import attention
 from ..attention import ATTENTION_BACKENDS
 from ..attention.calibration import calibrate_pool
+from ..attention.calibration_cache import CalibrationCache, resolve_dir
 from ..parallel.follower import mirror_tiers
 from ..parallel.group import SingleGroup, TPGroup
 from ..config import CacheConfig, DeviceConfig, NibbleConfig
@@ -179,7 +180,10 @@ def build_engine_core(model, tokenizer, cfg: NibbleConfig, *, device: torch.devi
     context = min(cfg.model.context_length or arch.max_position_embeddings,
                   arch.max_position_embeddings)
     if inject.calibrate:      # the format's K recipe, if any, over the context to serve
-        calibrate_pool(model, tokenizer, pool, arch, context)
+        root = resolve_dir(cfg.cache.calibration_cache_dir)
+        calibrate_pool(model, tokenizer, pool, arch, context,
+                       CalibrationCache(root) if root is not None else None,
+                       fingerprint if fingerprint != "local" else None, tp)
     # Fused Triton layer kernels on CUDA: after calibration (which runs the torch ops),
     # before the decode graphs are captured.
     model.set_fused_kernels(device.type == "cuda" and not cfg.device.disable_fused_kernels)

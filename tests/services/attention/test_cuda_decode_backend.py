@@ -236,7 +236,8 @@ def within_tolerance(got, ref, what):
         if not torch.equal(g.argmax(-1), r.argmax(-1)):
             break
         agree += 1
-    print(f"{what}: {agree}/{len(ref)} steps agree, worst relative logit error {worst:.4f}")
+    print(f"{what}: {agree}/{len(ref)} steps agree, worst relative logit error {worst:.4f}, "
+          f"first flip: {first_flip(got, ref)}")
     return agree
 
 
@@ -320,7 +321,11 @@ def test_gpu_greedy_equals_triton_decode(gqa8_model, monkeypatch):
 @hopper_only
 @pytest.mark.parametrize("page_size", [16, 64])
 def test_gpu_multi_step_decode_of_uneven_batch(gqa8_model, monkeypatch, page_size):
-    """Five sequences of 1 to 400 prompt tokens decode together; one joins late."""
+    """Five sequences of 1 to 400 prompt tokens decode together; one joins late.
+
+    Against the Triton decode kernel, so that prefill and extend run the same ragged
+    attention in both: the torch backend's per-sequence SDPA prefill differs in summation
+    order and flips this batch's first token at a top-2 margin of 0.008."""
     counts = count_launches(monkeypatch)
     lens = (1, 17, 64, 129, 400)
     arr = {0: [greedy(f"s{n}", prompt(n, i), 24) for i, n in enumerate(lens)],
@@ -331,6 +336,5 @@ def test_gpu_multi_step_decode_of_uneven_batch(gqa8_model, monkeypatch, page_siz
     assert "decode" in paths and counts["cuda"] > 0 and counts["triton"] == 0
     assert {r: len(t) for r, t in tokens.items()} == {**{f"s{n}": 24 for n in lens}, "late": 8}
     assert all(bool(torch.isfinite(g).all()) for g in got)
-    ref, _, _ = run_scenario(make_engine_with(gqa8_model, "torch", kv="nvfp4", device="cuda",
-                                              **kw), arr)
+    ref, _, _ = run_scenario(engine(gqa8_model, "triton", monkeypatch, **kw), arr)
     assert within_tolerance(got, ref, f"uneven batch, page {page_size}") >= 3
