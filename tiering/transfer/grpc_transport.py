@@ -16,8 +16,9 @@ protobuf bytes, no protobuf objects): a chunk is joined from views of the
 sender's pool, one contiguous range per run of consecutive source pages
 (``page_runs``), into the message bytes, and the receiver writes the payload
 from the received bytes into each run of consecutive destination pages, one
-copy per run segment. Device pools go through pinned staging buffers on
-both sides (one device copy per run segment).
+copy per run segment. Device pools go through a ring of pinned staging buffers
+on both sides (``staging.PinnedRing``): the sender copies chunk k+1 off the device while
+chunk k is sent, the receiver's device copies run while it reads the next chunk.
 Flow control is gRPC's (HTTP/2 windows; the request iterator is pulled only as
 fast as the channel drains), with the chunk size bounding memory per stream.
 Message size limits are set explicitly on both sides.
@@ -66,6 +67,7 @@ from .base import KVTransport, TransferHandle, TransferState, TransferStatus, re
 from .checksum import page_set_checksum
 from .endpoint import Endpoint
 from .errors import TicketError, TransferArgumentError, TransportUnavailableError
+from .staging import PinnedRing
 from .tickets import RejectReason, TransferTicket
 
 DEFAULT_CHUNK_BYTES = 4 << 20
@@ -142,7 +144,7 @@ class _PageWriter:
         self.run_at = [0]                                       # stream byte of each run
         for _, n in self.runs:
             self.run_at.append(self.run_at[-1] + n * self.pn)
-        self._staging: torch.Tensor | None = None
+        self._staging: PinnedRing | None = None
 
     def write(self, msg: grpc_wire.Chunk) -> None:
         if isinstance(msg, grpc_wire.BadChunk):
@@ -156,8 +158,9 @@ class _PageWriter:
             raise TicketError(RejectReason.INVALID, f"chunk of {n} bytes at byte {pos} exceeds "
                               f"the chunk limit {self.max_chunk} or the ticket's {self.total}")
         src = np.frombuffer(data, dtype=np.uint8)
+        slot = None
         if self.np is None:
-            src = self._stage(src)
+            slot, src = self._stage(src)
         with self.entry.lock:
             if not self.book.is_live(self.entry):
                 raise TicketError(RejectReason.DEADLINE, "the ticket deadline passed mid-stream")
@@ -169,20 +172,29 @@ class _PageWriter:
                 if self.np is not None:
                     self.np[dst:dst + take] = src[done:done + take]
                 else:
-                    self.flat[dst:dst + take].copy_(src[done:done + take])
+                    self.flat[dst:dst + take].copy_(src[done:done + take], non_blocking=True)
                 done, r, self.copies = done + take, r + 1, self.copies + 1
+            if slot is not None:
+                self._staging.copied(slot)
         self.cursor += n
 
-    def _stage(self, src: np.ndarray) -> torch.Tensor:
-        """The payload in pinned host memory, for copies into a device pool."""
-        if self._staging is None or self._staging.numel() < len(src):
-            self._staging = torch.empty(max(len(src), self.max_chunk), dtype=torch.uint8,
-                                        pin_memory=True)
-        host = self._staging[:len(src)]
+    def _stage(self, src: np.ndarray) -> tuple[int, torch.Tensor]:
+        """The payload in a pinned slot (``staging.PinnedRing``), for copies into a device
+        pool that run while the next chunk is read."""
+        if self._staging is None:
+            self._staging = PinnedRing(self.flat.device, max(len(src), self.max_chunk))
+        slot, host = self._staging.take(len(src))
         host.numpy()[:] = src
-        return host
+        return slot, host
+
+    def drain(self) -> None:
+        """Wait for the device copies still in flight (before the checksum, and before a
+        refused ticket's pages can go back to the pool)."""
+        if self._staging is not None:
+            self._staging.drain()
 
     def finish(self) -> None:
+        self.drain()
         if self.cursor != self.total:
             raise TicketError(RejectReason.ABORTED,
                               f"stream ended after {self.cursor} of {self.total} bytes")
@@ -231,6 +243,8 @@ class _Servicer(pb_grpc.KVTransferServicer):
             return e
         except grpc.RpcError:  # the sender cancelled or went away mid-stream
             return TicketError(RejectReason.ABORTED, "the sender cancelled the stream")
+        finally:
+            writer.drain()
         if checksum and page_set_checksum(self.tr.pool, entry.ticket.dst_pages) != checksum:
             return TicketError(RejectReason.CHECKSUM, "page-set checksum mismatch")
         return None
@@ -340,17 +354,36 @@ class GrpcTransport(KVTransport):
         device pool."""
         yield pb.PageChunk(ticket=ticket_to_proto(ticket), checksum=checksum, checksum_tag=tag)
         pn, flat = self.page_nbytes, self.pool.view(-1)
-        for stream, segments in plan:
-            parts = [flat[at:at + n] for at, n in segments]
-            if flat.device.type != "cpu":
-                stage = torch.empty(sum(n for _, n in segments), dtype=torch.uint8,
-                                    pin_memory=True)
-                at = 0
-                for part in parts:
-                    stage[at:at + part.numel()].copy_(part)
-                    at += part.numel()
-                parts = [stage]
-            yield grpc_wire.RawChunk(stream // pn, stream % pn, parts)
+        if flat.device.type == "cpu":
+            for stream, segments in plan:
+                yield grpc_wire.RawChunk(stream // pn, stream % pn,
+                                         [flat[at:at + n] for at, n in segments])
+            return
+        # Device pool: chunk k+1 is copied into pinned memory while chunk k is sent. A slot
+        # comes round again only after its message was serialized (the iterator is pulled
+        # once the previous message is handed to gRPC) and its copy event has fired.
+        ring = PinnedRing(flat.device, max((sum(n for _, n in seg) for _, seg in plan),
+                                           default=1))
+        ahead = None
+        for k in range(len(plan) + 1):
+            issued = self._copy_off(ring, flat, plan[k]) if k < len(plan) else None
+            if ahead is not None:
+                stream, stage, event = ahead
+                event.synchronize()
+                yield grpc_wire.RawChunk(stream // pn, stream % pn, [stage])
+            ahead = issued
+
+    @staticmethod
+    def _copy_off(ring: PinnedRing, flat: torch.Tensor, planned):
+        """Start the device-to-host copies of one planned chunk into a ring slot:
+        ``(stream byte, pinned bytes, event)``."""
+        stream, segments = planned
+        slot, stage = ring.take(sum(n for _, n in segments))
+        at = 0
+        for pool_at, n in segments:
+            stage[at:at + n].copy_(flat[pool_at:pool_at + n], non_blocking=True)
+            at += n
+        return stream, stage, ring.copied(slot)
 
     def poll(self, handle: TransferHandle) -> TransferStatus:
         if handle.final is not None:
