@@ -12,7 +12,8 @@ resolve N (wait for its copy, fill the placeholders, stop conditions, detokenize
 conditions are resolved one step late: a sequence that ended at N has also run in N+1, and
 that extra token is dropped (``Sequence.incarnation`` tells which tokens are stale). Any
 other step (a prompt's last chunk, a first token, rows needing the host's tokens, a failed
-launch) resolves N first and runs synchronously. Pages stay correct because every step and every tier copy runs in order on
+launch) resolves N first, hands N's tokens out, and runs synchronously at the next call
+(``deferred``), so no stream waits two steps for one token. Pages stay correct because every step and every tier copy runs in order on
 one device stream: a page freed while N+1 still writes it is reused only by later work.
 """
 
@@ -106,9 +107,15 @@ class OverlapStepper:
         self.ring = HostRing(core.runner.device)
         self.launches = 0           # steps launched without waiting (for tests and metrics)
         self.chunk_launches = 0     # of which ran prompt chunks
+        # A batch that must run synchronously, planned while a launched step was in flight:
+        # that step's tokens go out first, the batch runs at the next call.
+        self.deferred: ScheduledBatch | None = None
 
     def step(self) -> list[RequestOutput]:
         core = self.core
+        if self.deferred is not None:
+            batch, self.deferred = self.deferred, None
+            return self._run_sync(batch)
         batch = core.scheduler.schedule()
         prev = self.inflight
         if is_overlappable(batch, core._seqs):
@@ -116,16 +123,30 @@ class OverlapStepper:
             if launched is not None:
                 self.inflight = launched
                 return self._resolve(prev) if prev is not None else []
-        outputs = self._resolve(prev) if prev is not None else []
-        self.inflight = None
+        if prev is None:
+            return self._run_sync(batch)
+        # Deliver the landed step's tokens now rather than after this batch has run too:
+        # every running stream would otherwise wait two steps for one token (a prompt's last
+        # chunk after launched chunks doubled the inter-token latency of all decodes).
+        self.inflight, self.deferred = None, batch
+        return self._resolve(prev)
+
+    def _run_sync(self, batch: ScheduledBatch) -> list[RequestOutput]:
+        """Run ``batch`` now, waiting for it (nothing is in flight)."""
+        core = self.core
         batch = self._settle(batch)
         sampled, failed, logprobs = core._execute(batch)
-        return outputs + core._process(batch, sampled, failed, logprobs)
+        return core._process(batch, sampled, failed, logprobs)
 
     def drain(self) -> list[RequestOutput]:
-        """Resolve the step in flight, if any (idle engine, shutdown)."""
+        """Resolve the step in flight and run a deferred batch, if any (idle engine,
+        shutdown)."""
         prev, self.inflight = self.inflight, None
-        return self._resolve(prev) if prev is not None else []
+        outputs = self._resolve(prev) if prev is not None else []
+        if self.deferred is not None:
+            batch, self.deferred = self.deferred, None
+            outputs += self._run_sync(batch)
+        return outputs
 
     # ---- launch ----
     def _launch(self, batch: ScheduledBatch, prev: Launched | None) -> Launched | None:

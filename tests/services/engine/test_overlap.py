@@ -161,3 +161,24 @@ def test_prompt_chunks_in_flight_survive_preemption(fp32_model):
     assert eng.scheduler.num_preemptions > 0 and eng.overlap.chunk_launches > 0
     assert got == ref
     pages_balance(eng)
+
+
+def test_a_synchronous_step_never_hands_a_stream_two_tokens_at_once(fp32_model):
+    """A prompt's last chunk runs synchronously after launched chunks: the launched step's
+    tokens go out before it runs, so a decoding stream gets one token per step() and never
+    waits two steps for one (the inter-token latency a user sees)."""
+    eng = make_engine(fp32_model, overlap=True, chunked_prefill_size=16, max_prefill_tokens=40)
+    eng.add_request(greedy("a", PROMPT[:10], n=30))
+    got = []
+    while len(got) < 3:
+        got += [t for o in eng.step() if o.request_id == "a" for t in o.new_token_ids]
+    eng.add_request(greedy("b", PROMPT[20:70], n=3))      # chunks of 16, 16, 16, then 2
+    most = 0
+    while eng.has_unfinished():
+        outs = eng.step()
+        most = max(most, sum(len(o.new_token_ids) for o in outs if o.request_id == "a"))
+        got += [t for o in outs if o.request_id == "a" for t in o.new_token_ids]
+    assert eng.overlap.chunk_launches >= 2             # b's middle chunks were launched
+    assert most == 1
+    ref = run_all(make_engine(fp32_model), [greedy("a", PROMPT[:10], n=30)])["a"][0]
+    assert got == ref
