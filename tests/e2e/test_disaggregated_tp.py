@@ -105,3 +105,32 @@ def test_a_killed_prefill_follower_fails_the_request_clearly_and_holds_no_page(s
     assert chat(disagg.url, body).status_code == 200
     assert disagg.info()["transfers"]["transfer_success"] == 2
 
+
+
+def test_a_killed_decode_follower_fails_the_request_clearly_and_holds_no_page(servers):
+    """The decode group breaks: the request fails naming the lost rank, the prefill side
+    holds nothing, and Ray restarts the whole decode group, which serves again."""
+    _, disagg = servers
+    decode = disagg.info()["workers"]["nibble-decode-0"]
+    (follower,) = decode["tp_follower_pids"]
+    os.kill(follower, 9)
+    while not _gone(follower):
+        os.sched_yield()
+    body = {**CHAT, "messages": [{"role": "user", "content": "Name three lakes in Africa."}]}
+    r = chat(disagg.url, body)
+    assert r.status_code >= 500 and "lost a rank" in r.text, r.text
+    deadline = time.monotonic() + 120
+    while True:                         # restarted, and reporting its stats again
+        info = disagg.info()
+        if "nibble-decode-0" in info["transfers"]["alive_workers"] and \
+                "nibble-decode-0" in info["workers"]:
+            break
+        assert time.monotonic() < deadline, "Ray did not restart the decode group"
+        time.sleep(0.5)
+    again = info["workers"]["nibble-decode-0"]
+    assert again["pid"] != decode["pid"] and again["tp_follower_pids"] != [follower]
+    prefill = disagg.wait_workers_idle(30, 0.25)["nibble-prefill-0"]
+    assert prefill["held"] == 0 and prefill["free_pages"] == prefill["total_pages"]
+    body["messages"][0]["content"] = "What is the largest ocean?"
+    r = chat(disagg.url, body)
+    assert r.status_code == 200, r.text
