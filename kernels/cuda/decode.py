@@ -32,8 +32,9 @@ MIN_TILES_PER_WARP = 4
 # prefetched into registers); dequant 0: byte-permute bit placement (4 LOP3 + 3 shifts +
 # 4 PRMT per 8 codes), 2: the same with one sign word shared by both nibble halves (3 LOP3);
 # cap (CTAs per SM): 4 -> 128 registers. 10404 and 4 are the dequant-0 references of 10424
-# and 24 (same loops, one LOP3 more per 8 codes).
-VARIANTS = (10424, 24, 10404, 4)
+# and 24 (same loops, one LOP3 more per 8 codes). 10425 and 10426: the register-cap
+# route (5 / 6 CTAs per SM: 96 / 80 registers, 148 / 312 bytes spilled, 20 / 24 warps per SM).
+VARIANTS = (10424, 24, 10404, 4, 10425, 10426)
 # FP8 E4M3 pages (100000 + the same fields; cp.async rings only): 110602 two tiles per step,
 # 6 stages (two pairs in flight), 2 CTAs per SM; 110403 / 110404 4 stages, 168 / 128-register
 # caps; 100304 / 100204 one tile per step, 3 / 2 stages.

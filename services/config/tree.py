@@ -250,7 +250,13 @@ class DeviceConfig:
         1, aliases=("--tensor-parallel-size",),
         help="tensor parallelism: split the model over this many ranks (one process each; "
              "rank 0 schedules, the others run its steps on their shard of the weights and "
-             "KV heads). CPU (gloo) in this version")
+             "KV heads). CPU: gloo; CUDA: NCCL, one GPU per rank")
+    tp_backend: str = flag(
+        "auto", choices=("auto", "nccl", "gloo"),
+        help="collectives of --tp-size > 1 on CUDA (auto = nccl, one GPU per rank; gloo copies "
+             "through the host, runs without CUDA graphs and lets ranks share a GPU: tests)")
+    base_gpu_id: int = flag(
+        0, help="CUDA: the first GPU this server uses (rank r of --tp-size takes base + r)")
 
 
 @dataclass(frozen=True)

@@ -99,11 +99,12 @@ def _validate_tp(cfg: NibbleConfig) -> None:
     _validate_role_tp(cfg)
     if cfg.disagg.disaggregate:
         n = max(n, *role_tp_sizes(cfg))
-    if n == 1:
-        return
-    if cfg.device.device == "cuda":
-        raise ConfigError("--tp-size > 1 runs on CPU (gloo) in this version; the CUDA group "
-                          "(NCCL, one GPU per rank) is not built yet: use --device cpu")
+    if cfg.device.base_gpu_id < 0:
+        raise ConfigError(f"--base-gpu-id must be >= 0, got {cfg.device.base_gpu_id}")
+    if cfg.device.tp_backend == "nccl" and cfg.device.device == "cpu":
+        raise ConfigError("--tp-backend nccl needs --device cuda (CPU ranks use gloo)")
+    # the GPU count is checked where the ranks start (parallel/devices.py): Ray ranks each
+    # see only their own GPU
 
 
 def _validate_role_tp(cfg: NibbleConfig) -> None:

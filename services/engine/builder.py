@@ -24,6 +24,7 @@ from ..attention import ATTENTION_BACKENDS
 from ..attention.calibration import calibrate_pool
 from ..attention.calibration_cache import CalibrationCache, resolve_dir
 from ..parallel.follower import mirror_tiers
+from ..parallel.devices import local_rank_device
 from ..parallel.group import SingleGroup, TPGroup
 from ..config import CacheConfig, DeviceConfig, NibbleConfig
 from ..errors import ConfigError
@@ -192,8 +193,11 @@ def build_engine_core(model, tokenizer, cfg: NibbleConfig, *, device: torch.devi
     backend.set_sliding_windows(windows)
     cache = None if cfg.cache.disable_radix_cache else RadixCache(layout.page_size, pool)
     tiers, mirror = _tiers(cfg, inject, pool, cache, fingerprint, tp)
-    # CUDA graphs and overlap scheduling assume one rank (the TP=2 GPU runs: issue 20)
-    graphs = None if tp.size > 1 else build_graph_runner(
+    # CUDA graphs capture NCCL's collectives (every rank captures the same buckets in the
+    # same order here, and replays when rank 0 does); gloo's go through the host: eager.
+    # Overlap scheduling stays TP=1: followers would have to replay its deferred steps.
+    eager_tp = tp.size > 1 and getattr(tp, "backend", None) != "nccl"
+    graphs = None if eager_tp else build_graph_runner(
         cfg.device, model, backend, device, context, layout.page_size, inject.static_decode_path)
     overlap = tp.size == 1 and (inject.overlap if inject.overlap is not None else (
         device.type == "cuda" and not cfg.scheduler.disable_overlap_schedule))
@@ -258,13 +262,14 @@ def build_parts(cfg: NibbleConfig, start_group=None) -> EngineParts:
     dtype = resolve_dtype(cfg.model.dtype, device)
     tp, pids = None, ()
     if cfg.device.tp_size > 1:
-        if device.type != "cpu":
-            raise ConfigError("--tp-size > 1 runs on CPU (gloo) in this version: add "
-                              "--device cpu")
         if start_group is None:        # the followers are daemons: they end with this process
             from ..parallel.launch import start_group
         tp, started = start_group(cfg)
         pids = tuple(getattr(p, "pid", p) for p in started)
+        device = tp.device             # this rank's GPU (parallel/devices.py)
+    elif device.type == "cuda" and cfg.device.base_gpu_id:
+        device = local_rank_device("cuda", 0, 1, cfg.device.base_gpu_id, "nccl")
+        torch.cuda.set_device(device)
     loaded = load_model(cfg.model.model_path, dtype, device, cfg.model.load_format, tp=tp)
     core = build_engine_core(loaded.model, loaded.tokenizer, cfg, device=device,
                              fingerprint=loaded.fingerprint)

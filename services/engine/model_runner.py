@@ -85,6 +85,9 @@ class ModelRunner:
     def forward_only(self, batch: ScheduledBatch, page_size: int) -> None:
         """A tensor-parallel follower's share of ``execute``: the same forward (and the same
         logits, gathered over the ranks), no sampling: rank 0 samples."""
+        if self.graphs is not None and self.graphs.applies(batch.seqs):
+            self.graphs.run(batch.seqs, page_size)     # rank 0 replays the same graph
+            return
         rows = True if any(s.sample for s in batch.seqs) else None
         self._forward(batch.seqs, page_size, rows=rows)
 

@@ -2,7 +2,7 @@
 
 ``SingleGroup`` (one rank: every call returns its input) keeps the TP=1 path free
 of collectives; ``TorchGroup`` wraps a ``torch.distributed`` process group (gloo on
-CPU, NCCL on GPU, one device per rank).
+CPU, NCCL on GPU, one device per rank; ``devices.py``).
 """
 
 from __future__ import annotations
@@ -62,12 +62,17 @@ class SingleGroup(TPGroup):
 
 
 class TorchGroup(TPGroup):
-    """Ranks of the default ``torch.distributed`` process group (initialized by the caller)."""
+    """Ranks of the default ``torch.distributed`` process group (initialized by the caller):
+    tensors (``all_reduce``, ``all_gather_last``) on its backend (gloo, or NCCL on the ranks'
+    GPUs); objects and integers on ``cpu_group``, a gloo group over the same ranks (None: the
+    default group is gloo already), so a step's batch never waits on a GPU stream."""
 
-    def __init__(self) -> None:
+    def __init__(self, cpu_group=None) -> None:
         import torch.distributed as dist
         self._dist = dist
+        self._cpu = cpu_group
         self.rank, self.size = dist.get_rank(), dist.get_world_size()
+        self.backend = dist.get_backend()
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         with _group_alive("all_reduce"):
@@ -75,31 +80,37 @@ class TorchGroup(TPGroup):
         return x
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
-        parts = [torch.empty_like(x) for _ in range(self.size)]
+        x = x.contiguous()
         with _group_alive("all_gather"):
-            self._dist.all_gather(parts, x.contiguous())
+            if self.backend == "nccl":     # one collective into one buffer: graph capturable
+                out = torch.empty((self.size, *x.shape), dtype=x.dtype, device=x.device)
+                self._dist.all_gather_into_tensor(out, x)
+                return out.movedim(0, -2).reshape(*x.shape[:-1], self.size * x.shape[-1])
+            parts = [torch.empty_like(x) for _ in range(self.size)]
+            self._dist.all_gather(parts, x)
         return torch.cat(parts, dim=-1)
 
     def broadcast_object(self, obj: Any = None) -> Any:
         box = [obj]
         with _group_alive("broadcast"):
-            self._dist.broadcast_object_list(box, src=0)
+            self._dist.broadcast_object_list(box, src=0, group=self._cpu)
         return box[0]
 
     def gather_object(self, obj: Any = None) -> list | None:
         out = [None] * self.size if self.rank == 0 else None
         with _group_alive("gather"):
-            self._dist.gather_object(obj, out, dst=0)
+            self._dist.gather_object(obj, out, dst=0, group=self._cpu)
         return out
 
     def all_min(self, value: int) -> int:
         t = torch.tensor([value], dtype=torch.int64)
         with _group_alive("all_reduce"):
-            self._dist.all_reduce(t, op=self._dist.ReduceOp.MIN)
+            self._dist.all_reduce(t, op=self._dist.ReduceOp.MIN, group=self._cpu)
         return int(t.item())
 
     def gather_ints(self, value: int) -> list[int]:
         parts = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
         with _group_alive("all_gather"):
-            self._dist.all_gather(parts, torch.tensor([value], dtype=torch.int64))
+            self._dist.all_gather(parts, torch.tensor([value], dtype=torch.int64),
+                                  group=self._cpu)
         return [int(p.item()) for p in parts]

@@ -1,7 +1,8 @@
 """Starting a tensor-parallel group on one machine: ranks 1..n-1 as local processes.
 
 ``start_group(cfg)`` (in the server's process, rank 0) spawns the followers, joins the
-gloo group with them and returns it; each follower loads its shard of the same model,
+group with them (gloo on CPU; NCCL on GPUs ``--base-gpu-id + rank``, ``devices.py``) and
+returns it; each follower loads its shard of the same model,
 builds the same engine (its pool holds its KV heads; calibration runs in step with
 rank 0, since the model's forwards collect) and runs rank 0's steps until told to stop
 (follower.py). A follower whose parent is gone exits: it cannot be left waiting in a
@@ -21,12 +22,18 @@ import socket
 import threading
 import time
 
+import torch
+
+from .devices import rank_placement
 from .follower import follow
 from .group import TorchGroup
 
 log = logging.getLogger(__name__)
 # a follower waits in a collective for rank 0's next step, however long the server idles
 IDLE_TIMEOUT = datetime.timedelta(days=7)
+# an NCCL collective only runs inside a step that every rank executes; one that waits this
+# long means a rank is gone (NCCL's watchdog then aborts the process)
+COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=5)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -35,12 +42,25 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def join(rank: int, size: int, port: int, host: str = "127.0.0.1") -> TorchGroup:
-    """Join the gloo group whose rank 0 listens on ``host:port``."""
+def join(rank: int, size: int, port: int, host: str = "127.0.0.1", backend: str = "gloo",
+         device: torch.device | None = None) -> TorchGroup:
+    """Join the group whose rank 0 listens on ``host:port``: ``backend`` carries the tensors
+    (gloo, or NCCL on ``device``, this rank's GPU), a second gloo group the objects. The
+    group's ``device`` is where this rank computes."""
     import torch.distributed as dist
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = host, str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=size, timeout=IDLE_TIMEOUT)
-    return TorchGroup()
+    device = device or torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if backend == "nccl":
+        dist.init_process_group("nccl", rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT,
+                                device_id=device)
+        tp = TorchGroup(dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT))
+    else:
+        dist.init_process_group("gloo", rank=rank, world_size=size, timeout=IDLE_TIMEOUT)
+        tp = TorchGroup()
+    tp.device = device
+    return tp
 
 
 def _exit_with_parent(parent: int) -> None:
@@ -53,15 +73,20 @@ def _follower_main(rank: int, size: int, port: int, cfg, parent: int) -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(levelname)s "
                                                    "%(name)s: %(message)s")
     threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
-    run_follower(join(rank, size, port), cfg)
+    run_follower(join(rank, size, port, *placement_of(cfg, rank)), cfg)
+
+
+def placement_of(cfg, rank: int, in_ray: bool = False) -> tuple[str, torch.device]:
+    """(backend, device) of ``rank`` under ``cfg`` (see ``devices.rank_placement``)."""
+    from ..engine.builder import resolve_device
+    return rank_placement(cfg.device, resolve_device(cfg.device).type, rank, in_ray)
 
 
 def run_follower(tp: TorchGroup, cfg) -> None:
     """Rank ``tp.rank``: load its shard, build its engine, follow rank 0 until it stops."""
-    from ..engine.builder import build_engine_core, resolve_device, resolve_dtype
+    from ..engine.builder import build_engine_core, resolve_dtype
     from ..models.loader import load_model
-    rank = tp.rank
-    device = resolve_device(cfg.device)
+    rank, device = tp.rank, tp.device
     loaded = load_model(cfg.model.model_path, resolve_dtype(cfg.model.dtype, device), device,
                         cfg.model.load_format, tp=tp)
     core = build_engine_core(loaded.model, loaded.tokenizer, cfg, device=device,
@@ -76,10 +101,11 @@ def start_group(cfg) -> tuple[TorchGroup, list]:
     import torch.multiprocessing as mp
     size, port = cfg.device.tp_size, free_port()
     ctx = mp.get_context("spawn")
+    placement = placement_of(cfg, 0)      # refuses a GPU count NCCL cannot use, first
     procs = [ctx.Process(target=_follower_main, args=(r, size, port, cfg, os.getpid()),
                          daemon=True, name=f"nibble-tp-rank{r}") for r in range(1, size)]
     for p in procs:
         p.start()
     log.info("tensor parallel: %d ranks on this machine (followers: pids %s)", size,
              [p.pid for p in procs])
-    return join(0, size, port), procs
+    return join(0, size, port, *placement), procs

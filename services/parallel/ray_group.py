@@ -1,13 +1,14 @@
 """A tensor-parallel group of Ray actors: a disaggregated worker's followers.
 
 Why a placement group: the ranks of one worker exchange an all-reduce per layer and step,
-so they must sit on one node (NVLink on GPU, loopback gloo on CPU), and the group must be
-scheduled as a whole or not at all (a rank 0 whose followers cannot be placed would wait in
+so they must sit on one node (NCCL over NVLink on GPU, loopback gloo on CPU), and the group
+must be scheduled as a whole or not at all (a rank 0 whose followers cannot be placed would wait in
 ``init_process_group`` forever). ``worker_placement`` reserves one bundle per rank with
 ``STRICT_PACK`` (all bundles on one node) before any actor starts; the rank-0
 ``EngineWorker`` actor takes bundle 0 and ``start_ray_group`` (called in that actor while it
 builds its engine) starts ranks 1.. as ``TPFollower`` actors in bundles 1.., then forms the
-gloo group with them over the node's address (loopback on a local cluster).
+group with them over the node's address (loopback on a local cluster): each rank asked Ray
+for one GPU and sees only it, so every rank computes on its ``cuda:0``.
 
 Lifetimes: the followers are owned by the rank-0 actor (not detached), so Ray kills them
 when it dies; when Ray restarts rank 0 (in the same bundle), it starts new followers. A
@@ -23,7 +24,7 @@ import os
 
 from ..errors import ConfigError, DeviceFaultError
 from .group import TorchGroup
-from .launch import free_port, join, run_follower
+from .launch import free_port, join, placement_of, run_follower
 
 log = logging.getLogger(__name__)
 PLACEMENT_TIMEOUT_S = 120.0
@@ -67,9 +68,10 @@ class TPFollower:
         return os.getpid()
 
     def run(self, host: str, port: int) -> None:
-        """Join rank 0's gloo group and run its steps until it stops the group."""
+        """Join rank 0's group and run its steps until it stops the group."""
         try:
-            run_follower(join(self.rank, self.size, port, host), self.cfg)
+            run_follower(join(self.rank, self.size, port, host,
+                              *placement_of(self.cfg, self.rank, in_ray=True)), self.cfg)
         except DeviceFaultError as exc:
             log.critical("tensor-parallel rank %d: %s; exiting", self.rank, exc)
             os._exit(1)
@@ -81,7 +83,7 @@ class TPFollower:
 
 def start_ray_group(cfg, pg, num_cpus: float, num_gpus: float) -> tuple[TorchGroup, list[int]]:
     """In the rank-0 actor (bundle 0 of ``pg``): start ranks 1.. in bundles 1.. and join the
-    gloo group with them. Returns the group and the followers' pids."""
+    group with them. Returns the group and the followers' pids."""
     import ray
     size = cfg.device.tp_size
     host = ray.util.get_node_ip_address()
@@ -92,6 +94,6 @@ def start_ray_group(cfg, pg, num_cpus: float, num_gpus: float) -> tuple[TorchGro
     runs = [f.run.remote(host, port) for f in followers]
     log.info("tensor parallel: %d ranks in placement group %s (followers: pids %s)", size,
              pg.id.hex(), pids)
-    tp = join(0, size, port, host)
+    tp = join(0, size, port, host, *placement_of(cfg, 0, in_ray=True))
     tp.followers = followers, runs           # keep the handles: the actors live with them
     return tp, pids

@@ -216,9 +216,8 @@ def test_full_command_line_round_trip(tmp_path):
 
 @pytest.mark.parametrize("args,needle", [
     (["--tp-size", "0"], "--tp-size must be >= 1"),
-    (["--tp-size", "2", "--device", "cuda"], "runs on CPU"),
-    (["--disaggregate", "--prefill-tp-size", "2", "--decode-tp-size", "2", "--device",
-      "cuda"], "runs on CPU"),
+    (["--tp-size", "2", "--device", "cpu", "--tp-backend", "nccl"], "needs --device cuda"),
+    (["--base-gpu-id", "-1"], "--base-gpu-id must be >= 0"),
     (["--disaggregate", "--decode-tp-size", "2"], "re-slicing KV heads during the prefill"),
     (["--tp-size", "2", "--disaggregate", "--prefill-tp-size", "1"],
      "--prefill-tp-size 1 and --decode-tp-size 2 differ"),

@@ -1,10 +1,10 @@
-"""Runs one engine scenario at TP=1 in-process and at TP=n over gloo in n spawned processes,
-returning the logits every step sampled from (rank 0's; the followers only compute)."""
+"""Runs one engine scenario at TP=1 in-process and at TP=n in n spawned processes (joined by
+``parallel.launch.join``: gloo on CPU; on CUDA gloo or NCCL), returning the logits every step
+sampled from (rank 0's; the followers only compute)."""
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import traceback
 
 import torch
@@ -12,7 +12,7 @@ import torch
 from nibble.services.engine.types import GenerateRequest, SamplingParams
 from nibble.services.models.config import ModelArchConfig
 from nibble.services.models.loader import new_model
-from nibble.services.parallel.group import TorchGroup
+from nibble.services.parallel.launch import join
 from nibble.services.parallel.follower import follow, stop_followers
 
 from ..engine.conftest import CharTokenizer, engine_config
@@ -80,9 +80,10 @@ def dense_logits(model) -> list[torch.Tensor]:
             q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True,
             scale=scale, enable_gqa=True)
         return o.transpose(0, 1)
-    ids = torch.tensor(PROMPT[:40])
+    dev = next(model.parameters()).device
+    ids = torch.tensor(PROMPT[:40], device=dev)
     with torch.inference_mode():
-        return [model.compute_logits(model(ids, torch.arange(40), attn))]
+        return [model.compute_logits(model(ids, torch.arange(40, device=dev), attn))]
 
 
 class TextTokenizer(CharTokenizer):
@@ -92,27 +93,30 @@ class TextTokenizer(CharTokenizer):
         return [ord(c) % 90 + 1 for c in text]
 
 
-def build(arch: ModelArchConfig, kv: str, tp=None):
-    model = new_model(arch, torch.float32, torch.device("cpu"), tp)
+def build(arch: ModelArchConfig, kv: str, tp=None, device: torch.device | None = None):
+    device = device or torch.device("cpu")
+    model = new_model(arch, torch.float32, device, tp)
     model.load_weights(hf_weights(arch).items())
     model.finish_loading()
     if kv == "dense":
         return model
     cfg = engine_config(kv, num_pages=64, page_size=16, chunked_prefill_size=16)
+    if device.type == "cuda":
+        cfg = dataclasses.replace(cfg, device=dataclasses.replace(cfg.device, device="cuda",
+                                                                  cuda_graph_max_bs=4))
     # each rank calibrates the K recipe on its own KV heads (in step: the forwards collect)
-    return build_engine_core(model, TextTokenizer(), cfg,
+    return build_engine_core(model, TextTokenizer(), cfg, device=device,
                              inject=Injected(calibrate=kv != "bf16", use_l1_tiers=False))
 
 
-def run_rank(rank: int, size: int, port: int, arch: ModelArchConfig, kv: str, queue) -> None:
-    """One rank of the TP group (a spawned process)."""
+def run_rank(rank: int, size: int, port: int, arch: ModelArchConfig, kv: str, queue,
+             backend: str = "gloo", device: str = "cpu") -> None:
+    """One rank of the TP group (a spawned process); ``device``: ``"cpu"``, or ``"cuda:N"``."""
     import torch.distributed as dist
     try:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=rank, world_size=size)
         torch.manual_seed(0)
-        tp = TorchGroup()
-        eng = build(arch, kv, tp)
+        tp = join(rank, size, port, backend=backend, device=torch.device(device))
+        eng = build(arch, kv, tp, tp.device)
         if kv == "dense":
             got = dense_logits(eng)
             if rank == 0:
@@ -128,11 +132,16 @@ def run_rank(rank: int, size: int, port: int, arch: ModelArchConfig, kv: str, qu
         queue.put(("error", f"rank {rank}: {traceback.format_exc()}"))
 
 
-def tp_logits(arch: ModelArchConfig, kv: str, size: int, port: int) -> list[torch.Tensor]:
+def tp_logits(arch: ModelArchConfig, kv: str, size: int, port: int, backend: str = "gloo",
+              devices: list[str] | None = None) -> list[torch.Tensor]:
+    """Rank 0's sampled logits (on the CPU) of the scenario at TP ``size``; ``devices``: each
+    rank's device (default all ``"cpu"``)."""
     import torch.multiprocessing as mp
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=run_rank, args=(r, size, port, arch, kv, queue))
+    devices = devices or ["cpu"] * size
+    procs = [ctx.Process(target=run_rank, args=(r, size, port, arch, kv, queue, backend,
+                                                devices[r]))
              for r in range(size)]
     for p in procs:
         p.start()
@@ -146,10 +155,11 @@ def tp_logits(arch: ModelArchConfig, kv: str, size: int, port: int) -> list[torc
     return [torch.tensor(t) for t in payload]
 
 
-def single_logits(arch: ModelArchConfig, kv: str) -> list[torch.Tensor]:
+def single_logits(arch: ModelArchConfig, kv: str, device: str = "cpu") -> list[torch.Tensor]:
     torch.manual_seed(0)
-    built = build(arch, kv)
-    return dense_logits(built) if kv == "dense" else scenario(built)
+    built = build(arch, kv, device=torch.device(device))
+    got = dense_logits(built) if kv == "dense" else scenario(built)
+    return [t.cpu() for t in got]
 
 
 __all__ = ["arch_of", "tp_logits", "single_logits", "dataclasses"]
