@@ -73,7 +73,8 @@ def _follower_main(rank: int, size: int, port: int, cfg, parent: int) -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(levelname)s "
                                                    "%(name)s: %(message)s")
     threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
-    run_follower(join(rank, size, port, *placement_of(cfg, rank)), cfg)
+    backend, device = placement_of(cfg, rank)
+    run_follower(join(rank, size, port, backend=backend, device=device), cfg)
 
 
 def placement_of(cfg, rank: int, in_ray: bool = False) -> tuple[str, torch.device]:
@@ -108,4 +109,4 @@ def start_group(cfg) -> tuple[TorchGroup, list]:
         p.start()
     log.info("tensor parallel: %d ranks on this machine (followers: pids %s)", size,
              [p.pid for p in procs])
-    return join(0, size, port, *placement), procs
+    return join(0, size, port, backend=placement[0], device=placement[1]), procs

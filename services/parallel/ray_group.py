@@ -70,8 +70,8 @@ class TPFollower:
     def run(self, host: str, port: int) -> None:
         """Join rank 0's group and run its steps until it stops the group."""
         try:
-            run_follower(join(self.rank, self.size, port, host,
-                              *placement_of(self.cfg, self.rank, in_ray=True)), self.cfg)
+            backend, device = placement_of(self.cfg, self.rank, in_ray=True)
+            run_follower(join(self.rank, self.size, port, host, backend, device), self.cfg)
         except DeviceFaultError as exc:
             log.critical("tensor-parallel rank %d: %s; exiting", self.rank, exc)
             os._exit(1)
@@ -94,6 +94,7 @@ def start_ray_group(cfg, pg, num_cpus: float, num_gpus: float) -> tuple[TorchGro
     runs = [f.run.remote(host, port) for f in followers]
     log.info("tensor parallel: %d ranks in placement group %s (followers: pids %s)", size,
              pg.id.hex(), pids)
-    tp = join(0, size, port, host, *placement_of(cfg, 0, in_ray=True))
+    backend, device = placement_of(cfg, 0, in_ray=True)
+    tp = join(0, size, port, host, backend, device)
     tp.followers = followers, runs           # keep the handles: the actors live with them
     return tp, pids
