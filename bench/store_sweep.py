@@ -2,8 +2,9 @@
 
     python3 bench/store_sweep.py            # from the repository root; $OUT/store_sweep.json
 
-Checks ``store_kv`` (defaults) and every swept configuration (rows per tile,
-num_warps, tiles per program; see ``kernels/triton/store.py``) against
+Checks ``store_kv`` (defaults), the CUDA store's variants (rows ``cuda``: variant 0,
+``cuda-v1``: variant 1, see ``kernels/cuda/store.py``) and every swept Triton configuration
+(rows per tile, num_warps, tiles per program; see ``kernels/triton/store.py``) against
 ``store_kv_ref`` (poisoned pool, random slot permutation, global scales 0.5 / 2.0)
 for bf16 and float8_e4m3fn input, then times each configuration at T=65536, H=8,
 D=128, page 16 (random page order, 10 calls per CUDA graph, do_bench median of
@@ -39,6 +40,7 @@ IN_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
 # (rows per tile, num_warps, tiles per program)
 CONFIGS = [(8, 2, 1), (8, 1, 1), (16, 2, 1), (16, 4, 1), (32, 8, 1), (8, 2, 2), (8, 2, 4),
            (16, 4, 2), (8, 1, 2), (4, 1, 1)]
+CUDA_ROWS = {"cuda": 0, "cuda-v1": 1}          # row name -> store_kv_nvfp4_cuda variant
 
 
 def inputs(t: int, h: int, d: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
@@ -61,8 +63,8 @@ def check(in_dtype: torch.dtype, config: tuple | None, t: int = 4096, h: int = 8
     view = layout.layer_view(pool, 1)
     if config is None:
         store_kv(layout, view, k, v, slots, 0.5, 2.0)
-    elif config == "cuda":
-        store_kv_nvfp4_cuda(layout, view, k, v, slots, 0.5, 2.0)
+    elif config in CUDA_ROWS:
+        store_kv_nvfp4_cuda(layout, view, k, v, slots, 0.5, 2.0, variant=CUDA_ROWS[config])
     else:
         S._launch(layout, view, k, v, slots, 0.5, 2.0, *config)
     store_kv_ref(layout, layout.layer_view(expect, 1), k.cpu(), v.cpu(), slots.cpu(), 0.5, 2.0)
@@ -89,8 +91,9 @@ def time_store(in_dtype: torch.dtype, config: tuple, t: int = 65536, h: int = 8,
     slots = (torch.randperm(t // 16, device=DEV, generator=gen)[:, None] * 16
              + torch.arange(16, device=DEV)).flatten()
     one = torch.ones(1, device=DEV)
-    if config == "cuda":
-        sec = graph_time(lambda: store_kv_nvfp4_cuda(layout, view, k, v, slots, one, one))
+    if config in CUDA_ROWS:
+        sec = graph_time(lambda: store_kv_nvfp4_cuda(layout, view, k, v, slots, one, one,
+                                                     variant=CUDA_ROWS[config]))
     else:
         sec = graph_time(lambda: S._launch(layout, view, k, v, slots, one, one, *config))
     read = 2 * k.numel() * k.element_size()
@@ -105,13 +108,14 @@ def main() -> None:
     ok = True
     for dt in IN_DTYPES:
         name = str(dt)[6:]
-        for cfg in [None, "cuda"] + CONFIGS:
+        for cfg in [None, *CUDA_ROWS] + CONFIGS:
             good = check(dt, cfg)
             ok &= good
             res["check"][f"{name} {cfg or 'default'}"] = good
             if not good:
                 print(f"FAIL {name} {cfg or 'store_kv default'}", flush=True)
-    print(("PASS" if ok else "FAIL") + f": bit-exact vs store_kv_ref ({len(CONFIGS) + 2} configs "
+    print(("PASS" if ok else "FAIL") + f": bit-exact vs store_kv_ref "
+          f"({len(CONFIGS) + len(CUDA_ROWS) + 1} configs "
           f"x bf16/fp8)", flush=True)
     graph_bw, eager_bw = copy_bw()
     cbw = max(graph_bw, eager_bw)
@@ -119,16 +123,16 @@ def main() -> None:
     print(f"{props.name}: copy {graph_bw / 1e12:.2f} TB/s graph-replayed, {eager_bw / 1e12:.2f} "
           f"eager (1 GiB, read + written); ceiling = the larger", flush=True)
     for dt in IN_DTYPES:
-        for cfg in ["cuda"] + CONFIGS:
+        for cfg in [*CUDA_ROWS] + CONFIGS:
             r = time_store(dt, cfg)
-            shape = ("cuda", "-", "-") if cfg == "cuda" else cfg
+            shape = (cfg, "-", "-") if cfg in CUDA_ROWS else cfg
             r.update(dtype=str(dt)[6:], rows=shape[0], num_warps=shape[1], tiles=shape[2],
                      pct=100 * r["bw"] / cbw)
             res["time"].append(r)
             print(f"{r['dtype']:14s} rows={shape[0]!s:>4} warps={shape[1]!s:>2} tiles={shape[2]} "
                   f"{r['us']:7.1f} us {r['bw'] / 1e9:7.0f} GB/s {r['pct']:5.1f}%", flush=True)
     print("\n| input | rows | warps | tiles | us | GB/s | % copy |\n|---|---|---|---|---|---|---|")
-    for r in sorted(res["time"], key=lambda r: (r["dtype"], r["us"])):  # rows "cuda": CUDA C++
+    for r in sorted(res["time"], key=lambda r: (r["dtype"], r["us"])):  # rows "cuda*": CUDA C++
         print(f"| {r['dtype']} | {r['rows']} | {r['num_warps']} | {r['tiles']} | {r['us']:.1f} | "
               f"{r['bw'] / 1e9:.0f} | {r['pct']:.1f} |")
     if os.environ.get("OUT"):

@@ -5,6 +5,14 @@ built with it on first use. It writes exactly the bytes of
 :func:`nibble.kernels.paged_ref.store_kv_ref` (and of the portable Triton
 :func:`nibble.kernels.triton.store_kv`) for NVFP4 pages, from bf16 or FP8 E4M3 K/V.
 One launch, no host sync: CUDA-graph safe.
+
+Variants (:data:`STORE_VARIANTS`, argument ``variant``, default :data:`DEFAULT_STORE_VARIANT`):
+
+* 0: one thread per 16-value block, fp32 rounding (three candidates at 2^22) per value.
+* 1: FP8 E4M3 input only (bf16 input runs variant 0): 4 (or 2, 1) blocks of K and of V per
+  thread; each CTA first tabulates, per amax byte, the scale byte and the byte thresholds where
+  the reference's E2M1 code steps up, then rounds four values per 32-bit add
+  (``csrc/store8.cuh``; about 7 SASS instructions per value against 22).
 """
 
 from __future__ import annotations
@@ -17,6 +25,8 @@ from ..triton._common import check_int_vector, check_pages, scale_tensor
 from .decode import _module
 
 IN_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
+STORE_VARIANTS = (0, 1)
+DEFAULT_STORE_VARIANT = 0
 
 
 def unsupported_reason(layout: PageLayout, k: torch.Tensor, v: torch.Tensor) -> str | None:
@@ -41,7 +51,8 @@ def unsupported_reason(layout: PageLayout, k: torch.Tensor, v: torch.Tensor) -> 
 
 def store_kv_nvfp4_cuda(layout: PageLayout, pages: LayerPages, k: torch.Tensor, v: torch.Tensor,
                         slot_mapping: torch.Tensor, k_scale: float | torch.Tensor = 1.0,
-                        v_scale: float | torch.Tensor = 1.0) -> None:
+                        v_scale: float | torch.Tensor = 1.0,
+                        variant: int = DEFAULT_STORE_VARIANT) -> None:
     """Quantize ``k``/``v`` to NVFP4 and write each token to its slot.
 
     Args:
@@ -52,11 +63,14 @@ def store_kv_nvfp4_cuda(layout: PageLayout, pages: LayerPages, k: torch.Tensor, 
         slot_mapping: int32/int64 ``[T]``, ``page_id * page_size + offset``; negative:
             skip the token. Not range-checked (that would need a host sync).
         k_scale, v_scale: global scales (float, or a one-element fp32 device tensor).
+        variant: one of :data:`STORE_VARIANTS` (same bytes; see the module docstring).
 
     Raises:
         KernelInputError: inputs the kernel does not take (see :func:`unsupported_reason`),
             or a device that is not compute capability 9.0.
     """
+    if variant not in STORE_VARIANTS:
+        raise KernelInputError(f"store variant must be one of {STORE_VARIANTS}, got {variant!r}")
     reason = unsupported_reason(layout, k, v)
     if reason is not None:
         raise KernelInputError(reason)
@@ -70,4 +84,4 @@ def store_kv_nvfp4_cuda(layout: PageLayout, pages: LayerPages, k: torch.Tensor, 
     kgs = scale_tensor(k_scale, device, "k_scale")
     vgs = scale_tensor(v_scale, device, "v_scale")
     _module().store(k, v, slot_mapping, pages.k_data, pages.v_data, pages.k_scale,
-                    pages.v_scale, kgs, vgs, layout.page_size)
+                    pages.v_scale, kgs, vgs, layout.page_size, variant)

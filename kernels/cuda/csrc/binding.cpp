@@ -46,7 +46,7 @@ int64_t occupancy(int64_t variant) { return decode_occupancy((int)variant); }
 
 void store(torch::Tensor k, torch::Tensor v, torch::Tensor slots, torch::Tensor kd,
            torch::Tensor vd, torch::Tensor ks, torch::Tensor vs, torch::Tensor k_gs,
-           torch::Tensor v_gs, int64_t page_size) {
+           torch::Tensor v_gs, int64_t page_size, int64_t variant) {
   TORCH_CHECK(k.is_cuda() && kd.is_cuda(), "store: CUDA tensors expected");
   const c10::cuda::CUDAGuard guard(k.device());
   StoreParams p;
@@ -60,7 +60,7 @@ void store(torch::Tensor k, torch::Tensor v, torch::Tensor slots, torch::Tensor 
   p.page_stride = kd.stride(0); p.d_h = kd.stride(1); p.d_t = kd.stride(2);
   p.s_h = ks.stride(1); p.s_t = ks.stride(2); p.page_size = (int)page_size;
   p.k_gs = k_gs.data_ptr<float>(); p.v_gs = v_gs.data_ptr<float>();
-  launch_store(p, c10::cuda::getCurrentCUDAStream().stream());
+  launch_store(p, (int)variant, c10::cuda::getCurrentCUDAStream().stream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

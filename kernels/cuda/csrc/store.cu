@@ -14,8 +14,11 @@
 //   codes 4-6), fma(|q|, 0.25, 2^22 + 2) (to 2: codes 6-7) and 2^22 + 3.5 (saturation);
 //   the code is the low 3 bits, the sign the IEEE sign bit of q.
 //
-// Inputs are bf16 (widened by shifts) or FP8 E4M3 (cvt.rn.f16x2.e4m3x2, exact).
-#include "fp8.cuh"
+// Inputs are bf16 (widened by shifts) or FP8 E4M3 (cvt.rn.f16x2.e4m3x2, exact). That is
+// store variant 0; variant 1 (FP8 input only, store8.cuh) rounds by byte-parallel integer
+// compares against per-amax thresholds.
+#include <algorithm>
+#include "store8.cuh"
 
 namespace nibble_nvfp4 {
 
@@ -108,13 +111,61 @@ __global__ void __launch_bounds__(256) store_kernel(const StoreParams p) {
   quantize_store(wv, IN_DTYPE, __ldg(p.v_gs), p.vd + dk, p.vs + sk);
 }
 
-void launch_store(const StoreParams& p, void* stream) {
+// Blocks per thread of variant 1 for these strides and addresses: 4, 2 or 1 (8 * NB-byte
+// code stores, at most 16 bytes each, and NB-byte scale stores must be aligned).
+static int store8_blocks(const StoreParams& p) {
+  const int nb = p.head_dim >> 4;
+  const unsigned long long code = (unsigned long long)(uintptr_t)p.kd | (uintptr_t)p.vd |
+      p.page_stride | p.d_h | p.d_t;
+  const unsigned long long scale = (unsigned long long)(uintptr_t)p.ks | (uintptr_t)p.vs |
+      p.page_stride | p.s_h | p.s_t;
+  if (nb % 4 == 0 && code % 16 == 0 && scale % 4 == 0) return 4;
+  if (nb % 2 == 0 && code % 16 == 0 && scale % 2 == 0) return 2;
+  return 1;
+}
+
+// Resident CTAs of store8_kernel<NB> on the current device (cached per device).
+template <int NB>
+static int store8_resident() {
+  static int cache[64] = {0};
+  int dev = 0;
+  cudaGetDevice(&dev);
+  if (dev < 0 || dev >= 64) dev = 63;
+  if (cache[dev] == 0) {
+    int sms = 0, per_sm = 0;
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, store8_kernel<NB>, kStore8Threads, 0);
+    cache[dev] = sms * (per_sm > 0 ? per_sm : 1);
+  }
+  return cache[dev];
+}
+
+template <int NB>
+static void launch_store8(const StoreParams& p, cudaStream_t s) {
+  const int tpr = (p.head_dim >> 4) / NB;
+  const long long items = (long long)p.n_tokens * p.num_heads * tpr;
+  const long long want = (items + kStore8Threads - 1) / kStore8Threads;
+  const int grid = (int)std::min<long long>(want, store8_resident<NB>());
+  store8_kernel<NB><<<grid, kStore8Threads, 0, s>>>(p, tpr, (int)items);
+}
+
+// variant 0: store_kernel (one thread per block, float rounding); 1: store8_kernel for FP8
+// input (bf16 input, and 2^30 blocks or more, whose int item index could overflow, take 0).
+void launch_store(const StoreParams& p, int variant, void* stream) {
   const long long threads = (long long)p.n_tokens * p.num_heads * (p.head_dim >> 4);
   const int grid = (int)((threads + 255) / 256);
   if (grid == 0) return;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  if (p.in_dtype == 1) store_kernel<1><<<grid, 256, 0, s>>>(p);
-  else store_kernel<0><<<grid, 256, 0, s>>>(p);
+  if (variant == 1 && p.in_dtype == 1 && threads < (1LL << 30)) {
+    const int nb = store8_blocks(p);
+    if (nb == 4) launch_store8<4>(p, s);
+    else if (nb == 2) launch_store8<2>(p, s);
+    else launch_store8<1>(p, s);
+  } else if (p.in_dtype == 1) {
+    store_kernel<1><<<grid, 256, 0, s>>>(p);
+  } else {
+    store_kernel<0><<<grid, 256, 0, s>>>(p);
+  }
 }
 
 }  // namespace nibble_nvfp4
