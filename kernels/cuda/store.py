@@ -26,7 +26,7 @@ from .decode import _module
 
 IN_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
 STORE_VARIANTS = (0, 1)
-DEFAULT_STORE_VARIANT = 0
+DEFAULT_STORE_VARIANT = 1     # 78.9% of copy bandwidth from FP8 input against 43.6% (H200)
 
 
 def unsupported_reason(layout: PageLayout, k: torch.Tensor, v: torch.Tensor) -> str | None:

@@ -106,7 +106,8 @@ def build(arch: ModelArchConfig, kv: str, tp=None, device: torch.device | None =
                                                                   cuda_graph_max_bs=4))
     # each rank calibrates the K recipe on its own KV heads (in step: the forwards collect)
     return build_engine_core(model, TextTokenizer(), cfg, device=device,
-                             inject=Injected(calibrate=kv != "bf16", use_l1_tiers=False))
+                             inject=Injected(calibrate=kv != "bf16", use_l1_tiers=False,
+                                             overlap=False))   # every step samples in _sample
 
 
 def run_rank(rank: int, size: int, port: int, arch: ModelArchConfig, kv: str, queue,

@@ -1,0 +1,116 @@
+"""Where a prompt chunk's step time goes (issue 16: the trade between ITL p99 and input
+throughput under chunked prefill is set by what one chunk costs per token).
+
+Builds the engine from the usual ``nibble serve`` flags once per KV format, warms it up, then
+runs one prompt of ``--input-len`` tokens in chunks of ``--chunked-prefill-size`` alone,
+timing every chunk step (device synchronized after each), and profiles ``--profile-chunks``
+chunk steps in the middle of the prompt (torch profiler: the top kernels). Prints each
+chunk's ms and us per token and the dense-GEMM TFLOP/s that implies; JSON to ``--out``::
+
+    python -m nibble.bench.prefill_profile --model-path bench/models/qwen3-8b \\
+        --load-format dummy --mem-fraction-static 0.4 --input-len 32768 \\
+        --chunked-prefill-size 2048 --max-prefill-tokens 2048 --kv-formats bf16 nvfp4
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import pathlib
+import time
+
+import torch
+
+from nibble.services.config import add_engine_args, config_from_args
+from nibble.services.engine.builder import build_parts
+from nibble.services.engine.types import GenerateRequest, SamplingParams
+
+from ._step_profile import profile_steps
+from .e2e import random_prompt
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def gemm_flops_per_token(model: torch.nn.Module) -> float:
+    """2 x the elements of every 2-D weight but the embedding table: the dense GEMM work per
+    prompt token (an upper bound: the LM head runs on the sampled rows only)."""
+    embed = getattr(model, "embed_tokens", None)
+    skip = {id(embed.weight)} if embed is not None and hasattr(embed, "weight") else set()
+    return 2.0 * sum(p.numel() for p in model.parameters() if p.dim() == 2 and id(p) not in skip)
+
+
+def run_format(fmt: str, base: argparse.Namespace, args) -> dict:
+    """One engine, one prompt in chunks: per-chunk times and a profile of the middle chunks."""
+    ns = argparse.Namespace(**{**vars(base), "kv_cache_dtype": fmt})
+    parts = build_parts(config_from_args(ns))
+    core, device = parts.core, parts.core.pool.device
+    vocab = parts.tokenizer.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    core.add_request(GenerateRequest("warm", random_prompt(gen, args.input_len, vocab), one))
+    while core.has_unfinished():
+        core.step()
+    _sync(device)
+    core.add_request(GenerateRequest("p", random_prompt(gen, args.input_len, vocab), one))
+    chunks, profile = [], None
+    mid = max(1, args.input_len // ns.chunked_prefill_size // 2)
+    while core.has_unfinished():
+        if len(chunks) == mid and profile is None and device.type == "cuda":
+            profile = profile_steps(core.step, args.profile_chunks, device)
+            continue
+        t0 = time.perf_counter()
+        core.step()
+        _sync(device)
+        chunks.append(1e3 * (time.perf_counter() - t0))
+    flops = gemm_flops_per_token(core.runner.model)
+    per_tok_us = [1e3 * ms / ns.chunked_prefill_size for ms in chunks]
+    res = {"format": fmt, "chunk": ns.chunked_prefill_size, "chunk_ms": chunks,
+           "us_per_token": per_tok_us, "gemm_gflop_per_token": flops / 1e9,
+           "first_chunk_gemm_tflops": flops * ns.chunked_prefill_size / (chunks[0] / 1e3) / 1e12,
+           "profile": profile}
+    del parts, core
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return res
+
+
+def report(res: dict) -> None:
+    ms = res["chunk_ms"]
+    print(f"{res['format']}: {len(ms)} chunk steps of {res['chunk']} tokens: first {ms[0]:.1f} ms, "
+          f"middle {ms[len(ms) // 2]:.1f} ms, last {ms[-1]:.1f} ms "
+          f"({res['us_per_token'][0]:.1f} -> {res['us_per_token'][-1]:.1f} us/token); "
+          f"GEMMs {res['gemm_gflop_per_token']:.1f} GFLOP/token, first chunk at "
+          f"{res['first_chunk_gemm_tflops']:.0f} TFLOP/s")
+    prof = res.get("profile") or {}
+    if prof:
+        print(f"  profiled middle chunk: {prof['step_ms']:.1f} ms/step, kernels "
+              f"{prof['kernel_ms_per_step']:.1f} ms/step, GPU idle {100 * prof['gpu_idle_share']:.0f}%")
+        for k in prof["top_kernels"]:
+            print(f"    {k['ms_per_step']:8.2f} ms {k['calls_per_step']:6.0f}x  {k['name']}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_engine_args(ap)
+    ap.add_argument("--input-len", type=int, default=32768)
+    ap.add_argument("--kv-formats", nargs="+", default=["bf16", "nvfp4"])
+    ap.add_argument("--profile-chunks", type=int, default=2)
+    ap.add_argument("--out", type=pathlib.Path, default=None)
+    args = ap.parse_args(argv)
+    results = []
+    for fmt in args.kv_formats:
+        results.append(run_format(fmt, args, args))
+        report(results[-1])
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=1))
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
