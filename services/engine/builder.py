@@ -195,12 +195,13 @@ def build_engine_core(model, tokenizer, cfg: NibbleConfig, *, device: torch.devi
     tiers, mirror = _tiers(cfg, inject, pool, cache, fingerprint, tp)
     # CUDA graphs capture NCCL's collectives (every rank captures the same buckets in the
     # same order here, and replays when rank 0 does); gloo's go through the host: eager.
-    # Overlap scheduling stays TP=1: followers would have to replay its deferred steps.
+    # Overlap scheduling: rank 0 broadcasts each launched step's sampled ids to the
+    # followers (parallel/follower.py), so it runs at any TP size.
     eager_tp = tp.size > 1 and getattr(tp, "backend", None) != "nccl"
     graphs = None if eager_tp else build_graph_runner(
         cfg.device, model, backend, device, context, layout.page_size, inject.static_decode_path)
-    overlap = tp.size == 1 and (inject.overlap if inject.overlap is not None else (
-        device.type == "cuda" and not cfg.scheduler.disable_overlap_schedule))
+    overlap = inject.overlap if inject.overlap is not None else (
+        device.type == "cuda" and not cfg.scheduler.disable_overlap_schedule)
     runner = ModelRunner(model, backend, device, graphs)
     runner.tier_mirror = mirror
     if tiers is not None and tp.size > 1 and cfg.hicache.enable_hierarchical_cache:

@@ -65,10 +65,7 @@ class ModelRunner:
         seqs = batch.seqs
         if not seqs:
             return WorkerOutput({})
-        if self.tp.size > 1:       # tensor parallel: the other ranks run the same forward
-            if self.tier_sync is not None:    # after replaying rank 0's tier moves
-                self.tier_sync()
-            self.tp.broadcast_object(("step", batch, page_size))
+        self.announce(("step", batch, page_size))
         if self.graphs is not None and self.graphs.applies(seqs):
             return self._sample(seqs, self.graphs.run(seqs, page_size))
         picked = [s for s in seqs if s.sample]
@@ -80,6 +77,24 @@ class ModelRunner:
             out = self._sample(picked, self._forward(seqs, page_size, rows=True))
         return dataclasses.replace(out, prompt_logprobs=self._prompt_lps) if self._prompt_lps \
             else out
+
+    def announce(self, msg: tuple) -> None:
+        """Tensor parallel, rank 0: have the followers replay the tier moves so far, then send
+        them this step (``follower.follow`` runs the same forward); nothing at TP=1."""
+        if self.tp.size > 1:
+            if self.tier_sync is not None:
+                self.tier_sync()
+            self.tp.broadcast_object(msg)
+
+    def forward_ids(self, seqs: list[ScheduledSeq], page_size: int,
+                    ids: torch.Tensor) -> torch.Tensor | None:
+        """A launched step's forward (overlap scheduling) from input ids already on the device
+        (int64 ``[T]``): the sampled rows' logits ``[N, vocab]`` float32, None when no entry
+        samples. A captured graph where one applies."""
+        if self.graphs is not None and self.graphs.applies(seqs):
+            return self.graphs.run(seqs, page_size, ids)
+        rows = True if any(e.sample for e in seqs) else None
+        return self._forward(seqs, page_size, rows=rows, ids=ids)
 
     @torch.inference_mode()
     def forward_only(self, batch: ScheduledBatch, page_size: int) -> None:

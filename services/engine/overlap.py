@@ -154,17 +154,19 @@ class OverlapStepper:
         start (the caller runs it synchronously, with fault isolation)."""
         core, seqs = self.core, batch.seqs
         runner, page_size = core.runner, core.pool.layout.page_size
+        announced = False
         try:
             with torch.inference_mode():
-                ids = self._input_ids(seqs, prev)
+                known, src = self._id_sources(seqs, prev)
+                runner.announce(("launch", batch, page_size, src))
+                announced = runner.tp.size > 1
+                ids = launch_ids(known, src, prev.tokens if prev is not None else None,
+                                 runner.device)
                 picked = [e for e in seqs if e.sample]
-                if runner.graphs is not None and runner.graphs.applies(seqs):
-                    logits = runner.graphs.run(seqs, page_size, ids)
-                else:
-                    logits = runner._forward(seqs, page_size, rows=True if picked else None,
-                                             ids=ids)
+                logits = runner.forward_ids(seqs, page_size, ids)
                 if picked:
                     tokens, lps = runner.sample_tokens(picked, logits)
+                    runner.tp.broadcast_tensor(tokens)     # the followers' next input ids
                 else:                   # prompt chunks only: nothing comes back
                     tokens, lps = torch.empty(0, dtype=torch.int64, device=runner.device), None
                 host = self.ring.take(len(picked))
@@ -175,7 +177,7 @@ class OverlapStepper:
                     event = torch.cuda.Event()
                     event.record()
         except Exception as exc:  # noqa: BLE001 - classified: device fault, else run it in sync
-            if is_device_fault(exc):
+            if is_device_fault(exc) or announced:   # followers are inside the step: no retry
                 raise DeviceFaultError(f"device fault in an engine step: {describe(exc)}") from exc
             log.warning("launching an overlapped step failed (%s); running it synchronously",
                         describe(exc))
@@ -197,22 +199,20 @@ class OverlapStepper:
         self.chunk_launches += len(picked) < len(seqs)
         return launched
 
-    def _input_ids(self, seqs: list[ScheduledSeq], prev: Launched | None) -> torch.Tensor:
-        """int64 ``[T]`` on the device (every entry's ids, in order): a known id from the host,
-        a placeholder's (a decode's only id) from the previous step's device tensor (no wait
-        for it)."""
-        device = self.core.runner.device
+    @staticmethod
+    def _id_sources(seqs: list[ScheduledSeq], prev: Launched | None
+                    ) -> tuple[list[int], list[int] | None]:
+        """The step's known ids (-1 for a placeholder: a decode's only id, not yet on the host)
+        and, when there are placeholders, each one's row in the previous step's device tensor
+        (-1 for a known id); None when every id is known."""
         known = [t for e in seqs for t in e.token_ids]
         if all(t >= 0 for t in known):
-            return torch.tensor(known, dtype=torch.int64).to(device, non_blocking=True)
+            return known, None
         assert prev is not None, "a placeholder input without a step in flight"
-        src = [prev.rows[e.request_id] if t < 0 else -1 for e in seqs for t in e.token_ids]
-        packed = torch.tensor([known, src], dtype=torch.int64).to(device, non_blocking=True)
-        # a bad row's -1 becomes 0: that sequence is rolled back and this step's token dropped
-        from_prev = prev.tokens.clamp(min=0)[packed[1].clamp(min=0)]
-        return torch.where(packed[1] >= 0, from_prev, packed[0])
+        return known, [prev.rows[e.request_id] if t < 0 else -1
+                       for e in seqs for t in e.token_ids]
 
-    # ---- resolve ----
+    # ---- resolve ----    # ---- resolve ----
     def _resolve(self, launched: Launched) -> list[RequestOutput]:
         """Land ``launched``'s tokens: fill placeholders, apply stops, emit outputs."""
         core = self.core
@@ -263,3 +263,17 @@ class OverlapStepper:
                 continue
             out.append(dataclasses.replace(e, token_ids=ids))
         return ScheduledBatch(out)
+
+
+def launch_ids(known: list[int], src: list[int] | None, prev_tokens: torch.Tensor | None,
+               device: torch.device) -> torch.Tensor:
+    """int64 ``[T]`` on ``device``: the known ids, placeholders filled from ``prev_tokens``
+    (the previous launched step's sampled ids, int64 on the device) at rows ``src``, with no
+    wait for that step. Tensor-parallel followers build the same ids from rank 0's ``src`` and
+    their copy of ``prev_tokens``."""
+    if src is None:
+        return torch.tensor(known, dtype=torch.int64).to(device, non_blocking=True)
+    packed = torch.tensor([known, src], dtype=torch.int64).to(device, non_blocking=True)
+    # a bad row's -1 becomes 0: that sequence is rolled back and this step's token dropped
+    from_prev = prev_tokens.clamp(min=0)[packed[1].clamp(min=0)]
+    return torch.where(packed[1] >= 0, from_prev, packed[0])

@@ -2,9 +2,12 @@
 
 Rank 0 schedules (one scheduler, one radix tree, one page accounting: page ids are
 the same on every rank) and broadcasts each step's ``ScheduledBatch`` before its
-forward (``ModelRunner.execute``); a follower runs the same forward on its shard of
+forward (``ModelRunner.announce``); a follower runs the same forward on its shard of
 the weights and its own KV pool (its KV heads), joining the collectives, and never
-samples. Broadcasting the batch rather than scheduling identically on every rank keeps
+samples. A step rank 0 launches without waiting (overlap scheduling, ``("launch", ...)``)
+reads its decodes' ids from the previous launched step's sampled ids on the device: rank 0
+broadcasts them as a tensor right after sampling (NCCL: on the GPU, no host round trip), and
+each follower keeps its copy for the next launch. Broadcasting the batch rather than scheduling identically on every rank keeps
 the followers free of scheduler state: the tiers, the prefix cache, request arrival
 order and timing all live on rank 0 alone.
 
@@ -40,10 +43,14 @@ def follow(runner, tp: TPGroup, mirror=None, kv=None) -> None:
     ``FollowerTransfers`` in a disaggregated worker (``services/disagg/rank_transfer.py``:
     rank 0's ``("kv", op, ...)`` messages, each answered by a gather), else None."""
     log.info("tensor-parallel rank %d of %d following rank 0", tp.rank, tp.size)
+    last = None          # the last launched step's sampled ids (overlap scheduling)
     while True:
         msg = tp.broadcast_object()
         if msg[0] == "stop":
             return
+        if msg[0] == "launch":
+            last = _launched(runner, tp, *msg[1:], last)
+            continue
         if msg[0] == "tiers":
             if mirror is None:
                 raise TierMirrorMissingError(
@@ -56,6 +63,21 @@ def follow(runner, tp: TPGroup, mirror=None, kv=None) -> None:
             continue
         _, batch, page_size = msg
         runner.forward_only(batch, page_size)
+
+
+def _launched(runner, tp: TPGroup, batch, page_size: int, src, last):
+    """Rank 0 launched ``batch`` without waiting (overlap scheduling): its placeholders read
+    the previous launched step's ids, which rank 0 broadcast as it sampled them; run the same
+    forward and take this step's ids for the next one (int64 ``[sampled rows]``)."""
+    import torch
+
+    from ..engine.overlap import launch_ids
+    ids = launch_ids([t for e in batch.seqs for t in e.token_ids], src, last, runner.device)
+    with torch.inference_mode():
+        runner.forward_ids(batch.seqs, page_size, ids)
+    n = sum(1 for e in batch.seqs if e.sample)
+    return tp.broadcast_tensor(torch.empty(n, dtype=torch.int64, device=runner.device)) \
+        if n else last
 
 
 def mirror_tiers(tp: TPGroup, ops: list[tuple]) -> list[bytes]:

@@ -44,6 +44,11 @@ class TPGroup:
         """Rank 0's ``obj`` on every rank (pickled; for a step's batch, not for tensors)."""
         return obj
 
+    def broadcast_tensor(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's ``x`` copied into ``x`` of every rank (same shape and dtype; on the
+        ranks' devices with NCCL, no host round trip)."""
+        return x
+
     def gather_object(self, obj: Any = None) -> list | None:
         """Every rank's ``obj`` by rank, on rank 0 (None on the others; pickled, small)."""
         return [obj]
@@ -95,6 +100,11 @@ class TorchGroup(TPGroup):
         with _group_alive("broadcast"):
             self._dist.broadcast_object_list(box, src=0, group=self._cpu)
         return box[0]
+
+    def broadcast_tensor(self, x: torch.Tensor) -> torch.Tensor:
+        with _group_alive("broadcast"):
+            self._dist.broadcast(x, src=0)
+        return x
 
     def gather_object(self, obj: Any = None) -> list | None:
         out = [None] * self.size if self.rank == 0 else None

@@ -57,8 +57,9 @@ def hf_weights(arch: ModelArchConfig, seed: int = 0):
 def scenario(eng) -> list[torch.Tensor]:
     """Prefill in chunks, an extend over a cached prefix, decode: every sampled row's logits."""
     seen = []
-    orig = eng.runner._sample
-    eng.runner._sample = lambda picked, logits: (seen.append(logits.clone()), orig(picked, logits))[1]
+    orig = eng.runner.sample_tokens        # every path samples here (sync, graphs, overlap)
+    eng.runner.sample_tokens = lambda picked, logits: (seen.append(logits.float().cpu()),
+                                                       orig(picked, logits))[1]
     sp = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
     eng.add_request(GenerateRequest("a", PROMPT[:40], sp))
     while eng.has_unfinished():
@@ -93,7 +94,8 @@ class TextTokenizer(CharTokenizer):
         return [ord(c) % 90 + 1 for c in text]
 
 
-def build(arch: ModelArchConfig, kv: str, tp=None, device: torch.device | None = None):
+def build(arch: ModelArchConfig, kv: str, tp=None, device: torch.device | None = None,
+          overlap: bool = False):
     device = device or torch.device("cpu")
     model = new_model(arch, torch.float32, device, tp)
     model.load_weights(hf_weights(arch).items())
@@ -107,25 +109,26 @@ def build(arch: ModelArchConfig, kv: str, tp=None, device: torch.device | None =
     # each rank calibrates the K recipe on its own KV heads (in step: the forwards collect)
     return build_engine_core(model, TextTokenizer(), cfg, device=device,
                              inject=Injected(calibrate=kv != "bf16", use_l1_tiers=False,
-                                             overlap=False))   # every step samples in _sample
+                                             overlap=overlap))
 
 
 def run_rank(rank: int, size: int, port: int, arch: ModelArchConfig, kv: str, queue,
-             backend: str = "gloo", device: str = "cpu") -> None:
+             backend: str = "gloo", device: str = "cpu", overlap: bool = False) -> None:
     """One rank of the TP group (a spawned process); ``device``: ``"cpu"``, or ``"cuda:N"``."""
     import torch.distributed as dist
     try:
         torch.manual_seed(0)
         tp = join(rank, size, port, backend=backend, device=torch.device(device))
-        eng = build(arch, kv, tp, tp.device)
+        eng = build(arch, kv, tp, tp.device, overlap)
         if kv == "dense":
             got = dense_logits(eng)
             if rank == 0:
-                queue.put(("ok", [t.tolist() for t in got]))
+                queue.put(("ok", [t.tolist() for t in got], 0))
         elif rank == 0:
             got = scenario(eng)
             stop_followers(tp)
-            queue.put(("ok", [t.tolist() for t in got]))
+            launches = eng.overlap.launches if eng.overlap is not None else 0
+            queue.put(("ok", [t.tolist() for t in got], launches))
         else:
             follow(eng.runner, tp, eng.runner.tier_mirror)
         dist.destroy_process_group()
@@ -134,19 +137,23 @@ def run_rank(rank: int, size: int, port: int, arch: ModelArchConfig, kv: str, qu
 
 
 def tp_logits(arch: ModelArchConfig, kv: str, size: int, port: int, backend: str = "gloo",
-              devices: list[str] | None = None) -> list[torch.Tensor]:
+              devices: list[str] | None = None, overlap: bool = False,
+              stats: dict | None = None) -> list[torch.Tensor]:
     """Rank 0's sampled logits (on the CPU) of the scenario at TP ``size``; ``devices``: each
-    rank's device (default all ``"cpu"``)."""
+    rank's device (default all ``"cpu"``); ``overlap``: overlap scheduling on rank 0 (its
+    launched steps go into ``stats["launches"]``)."""
     import torch.multiprocessing as mp
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     devices = devices or ["cpu"] * size
     procs = [ctx.Process(target=run_rank, args=(r, size, port, arch, kv, queue, backend,
-                                                devices[r]))
+                                                devices[r], overlap))
              for r in range(size)]
     for p in procs:
         p.start()
-    status, payload = queue.get(timeout=300)
+    status, payload, *extra = queue.get(timeout=300)
+    if stats is not None and extra:
+        stats["launches"] = extra[0]
     for p in procs:
         p.join(timeout=60)
         if p.is_alive():
@@ -156,9 +163,10 @@ def tp_logits(arch: ModelArchConfig, kv: str, size: int, port: int, backend: str
     return [torch.tensor(t) for t in payload]
 
 
-def single_logits(arch: ModelArchConfig, kv: str, device: str = "cpu") -> list[torch.Tensor]:
+def single_logits(arch: ModelArchConfig, kv: str, device: str = "cpu",
+                  overlap: bool = False) -> list[torch.Tensor]:
     torch.manual_seed(0)
-    built = build(arch, kv, device=torch.device(device))
+    built = build(arch, kv, device=torch.device(device), overlap=overlap)
     got = dense_logits(built) if kv == "dense" else scenario(built)
     return [t.cpu() for t in got]
 
