@@ -3,6 +3,7 @@ field (no tensor per sequence): the eager runner and the decode graphs' buffers 
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .types import ScheduledSeq
@@ -12,11 +13,13 @@ def padded_block_tables(seqs: list[ScheduledSeq]) -> torch.Tensor:
     """int32 ``[len(seqs), W]`` on the CPU, ``W`` the longest block table; shorter rows are
     padded with page 0 (never read: a sequence's length bounds what a kernel reads)."""
     width = max(len(s.block_table) for s in seqs)
-    flat: list[int] = []
-    for s in seqs:
-        flat.extend(s.block_table)
-        flat.extend([0] * (width - len(s.block_table)))
-    return torch.tensor(flat, dtype=torch.int32).view(len(seqs), width)
+    # numpy fills rows from the lists in C: 0.54 ms for 16 x 2,048 pages against 1.97 ms
+    # for one torch.tensor over a joined list (this machine's CPU)
+    out = np.zeros((len(seqs), width), dtype=np.int32)
+    for i, s in enumerate(seqs):
+        bt = s.block_table
+        out[i, :len(bt)] = np.fromiter(bt, dtype=np.int32, count=len(bt))
+    return torch.from_numpy(out)
 
 
 def positions_of(seqs: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor]:
