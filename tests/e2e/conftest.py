@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -60,3 +61,17 @@ def openai_client(server: Server):
     import openai
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0,
                          timeout=120)
+
+
+def child_pids(pid: int) -> list[int]:
+    """The pids whose parent is ``pid`` (from /proc)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(entry))
+            except (OSError, ValueError, IndexError):
+                continue
+    return out

