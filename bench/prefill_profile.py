@@ -27,12 +27,7 @@ from nibble.services.engine.builder import build_parts
 from nibble.services.engine.types import GenerateRequest, SamplingParams
 
 from ._step_profile import profile_steps
-from .e2e import random_prompt
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+from .e2e import _sync, random_prompt
 
 
 def gemm_flops_per_token(model: torch.nn.Module) -> float:
@@ -43,9 +38,9 @@ def gemm_flops_per_token(model: torch.nn.Module) -> float:
     return 2.0 * sum(p.numel() for p in model.parameters() if p.dim() == 2 and id(p) not in skip)
 
 
-def run_format(fmt: str, base: argparse.Namespace, args) -> dict:
+def run_format(fmt: str, args: argparse.Namespace) -> dict:
     """One engine, one prompt in chunks: per-chunk times and a profile of the middle chunks."""
-    ns = argparse.Namespace(**{**vars(base), "kv_cache_dtype": fmt})
+    ns = argparse.Namespace(**{**vars(args), "kv_cache_dtype": fmt})
     parts = build_parts(config_from_args(ns))
     core, device = parts.core, parts.core.pool.device
     vocab = parts.tokenizer.vocab_size
@@ -89,7 +84,8 @@ def report(res: dict) -> None:
     prof = res.get("profile") or {}
     if prof:
         print(f"  profiled middle chunk: {prof['step_ms']:.1f} ms/step, kernels "
-              f"{prof['kernel_ms_per_step']:.1f} ms/step, GPU idle {100 * prof['gpu_idle_share']:.0f}%")
+              f"{prof['kernel_ms_per_step']:.1f} ms/step, "
+              f"GPU idle {100 * prof['gpu_idle_share']:.0f}%")
         for k in prof["top_kernels"]:
             print(f"    {k['ms_per_step']:8.2f} ms {k['calls_per_step']:6.0f}x  {k['name']}")
 
@@ -104,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     results = []
     for fmt in args.kv_formats:
-        results.append(run_format(fmt, args, args))
+        results.append(run_format(fmt, args))
         report(results[-1])
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -197,7 +197,7 @@ def build_engine_core(model, tokenizer, cfg: NibbleConfig, *, device: torch.devi
     # same order here, and replays when rank 0 does); gloo's go through the host: eager.
     # Overlap scheduling: rank 0 broadcasts each launched step's sampled ids to the
     # followers (parallel/follower.py), so it runs at any TP size.
-    eager_tp = tp.size > 1 and getattr(tp, "backend", None) != "nccl"
+    eager_tp = tp.size > 1 and tp.backend != "nccl"
     graphs = None if eager_tp else build_graph_runner(
         cfg.device, model, backend, device, context, layout.page_size, inject.static_decode_path)
     overlap = inject.overlap if inject.overlap is not None else (

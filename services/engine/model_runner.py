@@ -87,10 +87,11 @@ class ModelRunner:
             self.tp.broadcast_object(msg)
 
     def forward_ids(self, seqs: list[ScheduledSeq], page_size: int,
-                    ids: torch.Tensor) -> torch.Tensor | None:
-        """A launched step's forward (overlap scheduling) from input ids already on the device
-        (int64 ``[T]``): the sampled rows' logits ``[N, vocab]`` float32, None when no entry
-        samples. A captured graph where one applies."""
+                    ids: torch.Tensor | None = None) -> torch.Tensor | None:
+        """A step's forward without sampling: the sampled rows' logits ``[N, vocab]`` float32,
+        None when no entry samples; a captured graph where one applies. ``ids``: int64 ``[T]``
+        input ids already on the device (a launched step, overlap scheduling), else built from
+        ``token_ids``."""
         if self.graphs is not None and self.graphs.applies(seqs):
             return self.graphs.run(seqs, page_size, ids)
         rows = True if any(e.sample for e in seqs) else None
@@ -100,11 +101,7 @@ class ModelRunner:
     def forward_only(self, batch: ScheduledBatch, page_size: int) -> None:
         """A tensor-parallel follower's share of ``execute``: the same forward (and the same
         logits, gathered over the ranks), no sampling: rank 0 samples."""
-        if self.graphs is not None and self.graphs.applies(batch.seqs):
-            self.graphs.run(batch.seqs, page_size)     # rank 0 replays the same graph
-            return
-        rows = True if any(s.sample for s in batch.seqs) else None
-        self._forward(batch.seqs, page_size, rows=rows)
+        self.forward_ids(batch.seqs, page_size)
 
     def _forward(self, seqs: list[ScheduledSeq], page_size: int, rows: bool | None,
                  ids: torch.Tensor | None = None) -> torch.Tensor | None:

@@ -13,8 +13,9 @@ conditions are resolved one step late: a sequence that ended at N has also run i
 that extra token is dropped (``Sequence.incarnation`` tells which tokens are stale). Any
 other step (a prompt's last chunk, a first token, rows needing the host's tokens, a failed
 launch) resolves N first, hands N's tokens out, and runs synchronously at the next call
-(``deferred``), so no stream waits two steps for one token. Pages stay correct because every step and every tier copy runs in order on
-one device stream: a page freed while N+1 still writes it is reused only by later work.
+(``deferred``), so no stream waits two steps for one token. Pages stay correct because
+every step and every tier copy runs in order on one device stream: a page freed while N+1
+still writes it is reused only by later work.
 """
 
 from __future__ import annotations
@@ -212,7 +213,7 @@ class OverlapStepper:
         return known, [prev.rows[e.request_id] if t < 0 else -1
                        for e in seqs for t in e.token_ids]
 
-    # ---- resolve ----    # ---- resolve ----
+    # ---- resolve ----
     def _resolve(self, launched: Launched) -> list[RequestOutput]:
         """Land ``launched``'s tokens: fill placeholders, apply stops, emit outputs."""
         core = self.core

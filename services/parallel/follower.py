@@ -7,9 +7,9 @@ the weights and its own KV pool (its KV heads), joining the collectives, and nev
 samples. A step rank 0 launches without waiting (overlap scheduling, ``("launch", ...)``)
 reads its decodes' ids from the previous launched step's sampled ids on the device: rank 0
 broadcasts them as a tensor right after sampling (NCCL: on the GPU, no host round trip), and
-each follower keeps its copy for the next launch. Broadcasting the batch rather than scheduling identically on every rank keeps
-the followers free of scheduler state: the tiers, the prefix cache, request arrival
-order and timing all live on rank 0 alone.
+each follower keeps its copy for the next launch. Broadcasting the batch rather than
+scheduling identically on every rank keeps the followers free of scheduler state: the
+tiers, the prefix cache, request arrival order and timing all live on rank 0 alone.
 
 Tiers (``--enable-hierarchical-cache``): rank 0's tier manager journals every page move
 (L1 <-> L2 slot, L2 <-> L3 record); before a step's forward, and whenever a prefetch

@@ -31,6 +31,7 @@ class TPGroup:
 
     rank: int = 0
     size: int = 1
+    backend: str = "none"      # what carries the tensor collectives: "gloo", "nccl"
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of ``x`` over the ranks (in place where the backend allows)."""
