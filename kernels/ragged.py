@@ -11,21 +11,31 @@ Layout (all sequences back to back):
   (grouped-query attention, query head ``h`` reads KV head ``h // (Hq // H)``);
 * ``cu_q``/``cu_k``: int32 ``[B + 1]`` exclusive prefix sums of ``n_b`` and ``c_b + n_b``.
 
-:func:`ragged_causal_attention` runs one FlashAttention-2 varlen launch on CUDA for
-fp16/bf16 (no score matrix, no mask tensor, no repeated K/V heads: the
-extend path used to build a ``[n, c + n]`` mask and a 4x copy of the prefix per
-layer). Elsewhere it loops over sequences with torch SDPA and a lower-right causal
-bias. :func:`ragged_causal_attention_ref` is the fp32 reference with explicit masks.
+:func:`ragged_causal_attention` runs on CUDA for fp16/bf16 either one FlashAttention-2
+varlen launch (no score matrix, no mask tensor, no repeated K/V heads) or, on Hopper for a
+few long sequences, cuDNN's fused attention twice per sequence
+(:mod:`nibble.kernels.ragged_cudnn`, 1.6-1.9x faster there); :func:`choose_kernel` picks.
+Elsewhere it loops over sequences with torch SDPA and a lower-right causal bias.
+:func:`ragged_causal_attention_ref` is the fp32 reference with explicit masks.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch.nn.attention.bias import causal_lower_right
 
 from .errors import KernelInputError
+from .ragged_cudnn import (KEY_BLOCK, Q_BUCKET, cudnn_available, cudnn_dense,
+                           split_attention)
 
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
+RAGGED_KERNELS = ("auto", "fa2", "cudnn")    # the choices of --prefill-attention-kernel
+# auto takes cuDNN on sm_90 for at most this many sequences (two launches each per layer)
+# of at least this many query rows in all; below, FlashAttention-2's one launch.
+CUDNN_AUTO_MAX_SEQS = 4
+CUDNN_AUTO_MIN_ROWS = 256
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor,
@@ -50,15 +60,44 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor
 
 
 def flash_applies(q: torch.Tensor) -> bool:
-    """Whether :func:`ragged_causal_attention` takes the one-launch FlashAttention path."""
+    """Whether ``q`` suits the fused CUDA paths (FlashAttention-2 varlen, or cuDNN)."""
     d = q.shape[-1]
     return q.is_cuda and q.dtype in _FLASH_DTYPES and d % 8 == 0 and d <= 256
 
 
+@functools.lru_cache(maxsize=None)
+def _hopper(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device)[0] == 9
+
+
+def choose_kernel(q: torch.Tensor, num_seqs: int | None, kernel: str = "auto") -> str:
+    """``"fa2"``, ``"cudnn"`` or ``"sdpa"`` (the per-sequence torch loop) for ``q``.
+
+    ``num_seqs``: the number of sequences when the host knows the layout (None: it does
+    not, so ``auto`` stays on FlashAttention-2 rather than sync for it). Raises
+    :class:`KernelInputError` for a ``kernel`` that cannot run on ``q``.
+    """
+    if kernel not in RAGGED_KERNELS:
+        raise KernelInputError(f"kernel must be one of {RAGGED_KERNELS}, got {kernel!r}")
+    cudnn_ok = flash_applies(q) and q.shape[-1] <= 128 and cudnn_available(q.device)
+    if kernel == "cudnn":
+        if not cudnn_ok:
+            raise KernelInputError(f"the cuDNN ragged attention needs CUDA with cuDNN >= 9 and "
+                                   f"fp16/bf16 of head dim <= 128; got {q.dtype} "
+                                   f"{tuple(q.shape)} on {q.device}")
+        return "cudnn"
+    if not flash_applies(q):
+        return "sdpa"
+    if (kernel == "auto" and cudnn_ok and num_seqs is not None and num_seqs <= CUDNN_AUTO_MAX_SEQS
+            and q.shape[0] >= CUDNN_AUTO_MIN_ROWS and _hopper(q.device)):
+        return "cudnn"
+    return "fa2"
+
+
 def ragged_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, max_k: int,
-                            scale: float, *, spans: list[tuple[int, int, int, int]] | None = None
-                            ) -> torch.Tensor:
+                            scale: float, *, spans: list[tuple[int, int, int, int]] | None = None,
+                            kernel: str = "auto") -> torch.Tensor:
     """Ragged bottom-right causal attention (layout in the module docstring) -> ``[Tq, Hq, D]``.
 
     Args:
@@ -67,17 +106,21 @@ def ragged_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         spans: optional host copy of the layout, ``(q_start, n_b, k_start, c_b + n_b)`` per
             sequence, for the per-sequence path (read from ``cu_q``/``cu_k`` when absent,
             a device sync).
+        kernel: ``auto``, ``fa2`` or ``cudnn`` (:func:`choose_kernel`).
     """
     _check(q, k, v, cu_q, cu_k)
     if q.shape[0] == 0:
         return torch.empty_like(q)
-    if flash_applies(q):
-        out = torch.ops.aten._flash_attention_forward(
+    route = choose_kernel(q, None if spans is None else len(spans), kernel)
+    if route == "fa2":
+        return torch.ops.aten._flash_attention_forward(
             q.contiguous(), k.contiguous(), v.contiguous(), cu_q, cu_k, max_q, max_k, 0.0,
             True, False, scale=scale)[0]
-        return out
     if spans is None:
         spans = _spans(cu_q, cu_k)
+    if route == "cudnn":           # contiguous: one stride pattern, so cached cuDNN plans apply
+        return split_attention(q.contiguous(), k.contiguous(), v.contiguous(), spans, scale,
+                               cudnn_dense, Q_BUCKET, KEY_BLOCK)
     out = torch.empty_like(q)
     group = q.shape[1] // k.shape[1]
     for qs, n, ks, kn in spans:
@@ -124,3 +167,4 @@ def ragged_causal_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         s = s.masked_fill(~mask.to(s.device), float("-inf"))
         out[qs:qs + n] = torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), vv).to(q.dtype)
     return out
+

@@ -114,6 +114,12 @@ class AttentionBackend(ABC):
     def prepare_graph_replay(self) -> None:
         """Refresh per-step device state in place (e.g. global scales) before a replay."""
 
+    def warm_prefill(self, num_q_heads: int, dtype: torch.dtype, max_chunk: int,
+                     context: int) -> int:
+        """Prepare the prefill/extend kernels for chunks of up to ``max_chunk`` rows over up
+        to ``context`` keys at server start; returns the shapes prepared (none here)."""
+        return 0
+
 
 class BoundAttention:
     """A backend and one step's metadata as the model's ``AttentionFn``."""

@@ -94,11 +94,12 @@ class RaggedPlan:
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                scale: float, gather: GatherFn, workspace: tuple[torch.Tensor, torch.Tensor]
-               | None) -> None:
+               | None, kernel: str = "auto") -> None:
         """``q [T, Hq, D]``, fresh ``k``/``v`` ``[T, H, D]`` in q's dtype; writes ``out``'s rows.
 
         ``workspace`` is ``(k, v)`` ``[>= num_k, H, D]`` (needed when there is a prefix);
-        ``gather`` fills its prefix rows, this writes the fresh rows after them.
+        ``gather`` fills its prefix rows, this writes the fresh rows after them. ``kernel``:
+        ``--prefill-attention-kernel``.
         """
         qr, kr, vr = self.take(q), self.take(k), self.take(v)
         if self.prefix_bt is None:
@@ -110,5 +111,5 @@ class RaggedPlan:
             kk.index_copy_(0, self.fresh_rows, kr)
             vv.index_copy_(0, self.fresh_rows, vr)
         o = ragged_causal_attention(qr, kk, vv, self.cu_q, self.cu_k, self.max_q, self.max_k,
-                                    scale, spans=self.spans)
+                                    scale, spans=self.spans, kernel=kernel)
         self.put(out, o)

@@ -40,6 +40,8 @@ from nibble.kernels import PageLayout
 from nibble.kernels.cuda import decode_attention_cuda, default_variant, store_kv_nvfp4_cuda
 from nibble.kernels.cuda import default_num_splits as cuda_num_splits
 from nibble.kernels.cuda.store import unsupported_reason as cuda_store_reason
+from nibble.kernels.ragged import CUDNN_AUTO_MIN_ROWS, choose_kernel
+from nibble.kernels.ragged_cudnn import cudnn_available, warm_plans
 from nibble.kernels.triton import (decode_attention, default_num_splits, gather_kv,
                                    qkv_rope_store, store_kv)
 from nibble.kernels.triton._common import FORMAT_CODES
@@ -57,6 +59,8 @@ if TYPE_CHECKING:
 
 DECODE_HEAD_DIMS = (64, 128, 256)
 log = logging.getLogger(__name__)
+# cuDNN plans are built at start for chunks up to this many rows (bigger ones amortize theirs)
+WARM_MAX_CHUNK = 4096
 
 
 def _interpreting() -> bool:
@@ -103,6 +107,9 @@ class TritonAttentionBackend(AttentionBackend):
         decode_kernel, store_kernel = ("auto", "auto") if device_cfg is None else \
             (device_cfg.decode_kernel, device_cfg.store_kernel)
         self.fused = device_cfg is None or not device_cfg.disable_fused_kernels
+        self.ragged_kernel = "auto" if device_cfg is None else device_cfg.prefill_attention_kernel
+        if self.ragged_kernel == "cudnn" and not cudnn_available(pool.device):
+            raise ConfigError("--prefill-attention-kernel cudnn needs CUDA with cuDNN >= 9")
         self.layout = pool.layout
         self.store_impl = select_store_impl(pool.layout, pool.device, store_kernel)
         self._set_decode(select_decode_impl(pool.layout, pool.device, num_q_heads, decode_kernel))
@@ -287,7 +294,18 @@ class TritonAttentionBackend(AttentionBackend):
             gather_kv(self.layout, pages, bt, lens, ks, vs, ws[0].dtype, cu_seqlens=starts,
                       out=ws)
 
-        plan.attend(q, k, v, out, self.sm_scale, gather, self._ws)
+        plan.attend(q, k, v, out, self.sm_scale, gather, self._ws, self.ragged_kernel)
+
+    def warm_prefill(self, num_q_heads: int, dtype: torch.dtype, max_chunk: int,
+                     context: int) -> int:
+        """Builds cuDNN's execution plans for the bucketed chunk shapes when the prefill
+        attention takes cuDNN (a plan costs 65-130 ms the first time a shape is seen)."""
+        probe = torch.empty(CUDNN_AUTO_MIN_ROWS, num_q_heads, self.layout.head_dim, dtype=dtype,
+                            device=self.device)
+        if choose_kernel(probe, 1, self.ragged_kernel) != "cudnn":
+            return 0
+        return warm_plans(num_q_heads, self.layout.num_kv_heads, self.layout.head_dim, dtype,
+                          self.device, min(max_chunk, WARM_MAX_CHUNK), context)
 
     def _check_group(self, num_q_heads: int) -> None:
         """First decode without ``num_q_heads``: fall back to Triton for a group > 8."""

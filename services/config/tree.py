@@ -50,6 +50,11 @@ def kernel_choices() -> tuple[str, ...]:
     return KERNEL_CHOICES
 
 
+def ragged_kernel_choices() -> tuple[str, ...]:
+    from nibble.kernels.ragged import RAGGED_KERNELS
+    return RAGGED_KERNELS
+
+
 def storage_backend_choices() -> list[str]:
     from nibble.tiering.storage import storage_backend_names
     return [*storage_backend_names(), "none"]
@@ -241,6 +246,11 @@ class DeviceConfig:
         "auto", choices=kernel_choices,
         help="Triton backend: the NVFP4 quantize-and-store kernel (auto = triton; cuda: the "
              "CUDA C++ one, same bytes, needs compute capability 9.0)")
+    prefill_attention_kernel: str = flag(
+        "auto", choices=ragged_kernel_choices,
+        help="Triton backend, CUDA: the prefill/extend attention (auto: cuDNN's fused "
+             "attention on sm_90 for up to 4 sequences of >= 256 new tokens, else "
+             "FlashAttention-2 varlen; cudnn where it cannot run is an error)")
     disable_fused_kernels: bool = flag(
         False, help="CUDA: run each decoder layer on unfused torch ops (about 45 kernels per "
                     "layer) instead of the fused Triton kernels (residual add + RMSNorm, "

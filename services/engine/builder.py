@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -191,6 +192,7 @@ def build_engine_core(model, tokenizer, cfg: NibbleConfig, *, device: torch.devi
     backend = ATTENTION_BACKENDS[backend_name](pool, arch.sm_scale, cfg.cache.prefill_kv_dtype,
                                                device_cfg=cfg.device)
     backend.set_sliding_windows(windows)
+    _warm_prefill(backend, cfg, arch, model, context)
     cache = None if cfg.cache.disable_radix_cache else RadixCache(layout.page_size, pool)
     tiers, mirror = _tiers(cfg, inject, pool, cache, fingerprint, tp)
     # CUDA graphs capture NCCL's collectives (every rank captures the same buckets in the
@@ -217,6 +219,16 @@ def build_engine_core(model, tokenizer, cfg: NibbleConfig, *, device: torch.devi
                         "group_bytes_per_token": page_bytes / layout.page_size,
                         "group_pool_bytes": page_bytes * num_pages}
     return core
+
+
+def _warm_prefill(backend, cfg: NibbleConfig, arch, model, context: int) -> None:
+    """Prepare the backend's prefill kernels for the step's largest chunk (cuDNN's plans)."""
+    start = time.perf_counter()
+    chunk = min(cfg.scheduler.chunked_prefill_size, cfg.scheduler.max_prefill_tokens)
+    shapes = backend.warm_prefill(arch.num_heads, next(model.parameters()).dtype, chunk, context)
+    if shapes:
+        log.info("prefill attention: cuDNN plans for %d shapes in %.1fs", shapes,
+                 time.perf_counter() - start)
 
 
 def _tiers(cfg: NibbleConfig, inject: Injected, pool: KVPool, cache, fingerprint: str,

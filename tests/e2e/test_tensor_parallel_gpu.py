@@ -29,7 +29,7 @@ def test_tp2_sharing_one_gpu_serves_and_stops_its_rank(tmp_path_factory):
         assert len(followers) == 1
         for n in (24, 40):          # decode steps launched ahead, then a second request
             r = httpx.post(f"{srv.url}/v1/completions", timeout=300, json={
-                "model": "x", "prompt": "The capital of France is", "max_tokens": n,
+                "model": "qwen3-8b", "prompt": "The capital of France is", "max_tokens": n,
                 "temperature": 0, "ignore_eos": True})
             assert r.status_code == 200, r.text
             assert r.json()["usage"]["completion_tokens"] == n

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from nibble.kernels.errors import KernelInputError
-from nibble.kernels.ragged import (flash_applies, ragged_causal_attention,
+from nibble.kernels.ragged import (choose_kernel, flash_applies, ragged_causal_attention,
                                    ragged_causal_attention_ref)
+from nibble.kernels.ragged_cudnn import dense_attention_ref, merge_by_lse, split_attention
 
 # (cached prefix, new rows) per sequence: a prefill, extends, a one-row chunk, an empty chunk.
 SEQS = [(0, 9), (24, 7), (5, 1), (40, 16), (3, 0)]
@@ -60,6 +61,48 @@ def test_refuses_bad_inputs():
     with pytest.raises(KernelInputError, match="keys for"):
         ragged_causal_attention(q, k, v, cq, bad, mq, mk, 1.0)
     assert not flash_applies(q)
+    with pytest.raises(KernelInputError, match="cuDNN"):
+        ragged_causal_attention(q, k, v, cq, ck, mq, mk, 1.0, kernel="cudnn")
+    with pytest.raises(KernelInputError, match="one of"):
+        ragged_causal_attention(q, k, v, cq, ck, mq, mk, 1.0, kernel="fa3")
+
+
+def _spans(cq, ck):
+    a, b = cq.tolist(), ck.tolist()
+    return [(a[i], a[i + 1] - a[i], b[i], b[i + 1] - b[i]) for i in range(len(a) - 1)]
+
+
+@pytest.mark.parametrize("hq,h", [(8, 2), (4, 4)])
+@pytest.mark.parametrize("q_bucket,key_block", [(1, 1), (4, 8), (16, 16), (3, 64)])
+def test_split_and_merge_match_reference(hq, h, q_bucket, key_block):
+    """The cuDNN route's composition (whole key blocks of the prefix without mask, the rest
+    through a causal square with dummy leading rows, rows padded to buckets, merged by
+    log-sum-exp) with a torch dense attention in cuDNN's place."""
+    q, k, v, cq, ck, _, _ = _case(SEQS, hq, h)
+    got = split_attention(q, k, v, _spans(cq, ck), 0.125, dense_attention_ref, q_bucket,
+                          key_block)
+    want = ragged_causal_attention_ref(q, k, v, cq, ck, 0.125)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_merge_by_lse_equals_attention_over_the_union():
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 2, 5, 8, generator=g)
+    k, v = torch.randn(1, 2, 12, 8, generator=g), torch.randn(1, 2, 12, 8, generator=g)
+    o1, l1 = dense_attention_ref(q, k[:, :, :7], v[:, :, :7], False, 0.3)
+    o2, l2 = dense_attention_ref(q, k[:, :, 7:], v[:, :, 7:], False, 0.3)
+    whole, lse = dense_attention_ref(q, k, v, False, 0.3)
+    torch.testing.assert_close(merge_by_lse(o1, l1, o2, l2), whole, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(torch.logaddexp(l1, l2), lse)
+    # a part whose keys are all far below the other's contributes nothing
+    far = merge_by_lse(o1, l1 - 200.0, o2, l2)
+    torch.testing.assert_close(far, o2)
+
+
+def test_choose_kernel_on_cpu():
+    q = torch.zeros(300, 4, 64)
+    assert choose_kernel(q, 1) == "sdpa"
+    assert choose_kernel(q, 1, "fa2") == "sdpa"       # nothing fused to take on the CPU
 
 
 @pytest.mark.gpu
@@ -73,3 +116,26 @@ def test_flash_path_matches_reference(dtype, d):
     got = ragged_causal_attention(q, k, v, cq, ck, mq, mk, d ** -0.5)
     want = ragged_causal_attention_ref(q, k, v, cq, ck, d ** -0.5)
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d", [64, 128])
+def test_cudnn_path_matches_reference(dtype, d):
+    seqs = SEQS + [(1000, 300), (0, 513), (9000, 700), (8192, 2048)]   # prefixes past KEY_BLOCK
+    q, k, v, cq, ck, mq, mk = _case(seqs, 32, 8, d, dtype, "cuda")
+    got = ragged_causal_attention(q, k, v, cq, ck, mq, mk, d ** -0.5, kernel="cudnn")
+    want = ragged_causal_attention_ref(q, k, v, cq, ck, d ** -0.5)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_auto_takes_cudnn_for_few_long_sequences_on_hopper():
+    q = torch.zeros(2048, 32, 128, device="cuda", dtype=torch.bfloat16)
+    hopper = torch.cuda.get_device_capability()[0] == 9
+    assert choose_kernel(q, 1) == ("cudnn" if hopper else "fa2")
+    assert choose_kernel(q, 16) == "fa2"               # many sequences: one varlen launch
+    assert choose_kernel(q, None) == "fa2"             # layout not on the host
+    assert choose_kernel(q[:100], 1) == "fa2"          # short
