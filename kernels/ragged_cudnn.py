@@ -81,10 +81,13 @@ def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def warm_plans(num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                device: torch.device, max_chunk: int, context: int,
-               q_bucket: int = Q_BUCKET, key_block: int = KEY_BLOCK) -> int:
+               q_bucket: int = Q_BUCKET, key_block: int = KEY_BLOCK,
+               dense: DenseFn | None = None) -> int:
     """Builds cuDNN's plans for every bucketed shape of a chunk of up to ``max_chunk`` rows
     over a prefix of up to ``context`` rows (the server calls it once at start, beside the
-    CUDA-graph capture); returns how many shapes it ran."""
+    CUDA-graph capture); returns how many shapes it ran. ``dense``: the call to warm
+    (default :func:`cudnn_dense`)."""
+    dense = dense or cudnn_dense
     n_max = _round_up(max_chunk, q_bucket)
     rows = max(n_max + key_block, context)
     q = torch.zeros(n_max + key_block, num_q_heads, head_dim, dtype=dtype, device=device)
@@ -92,12 +95,12 @@ def warm_plans(num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.
     shapes = 0
     with torch.inference_mode():
         for size in range(q_bucket, n_max + key_block + 1, q_bucket):
-            cudnn_dense(*(_heads_first(x[:size]) for x in (q, kv, kv)), True, 1.0)
+            dense(*(_heads_first(x[:size]) for x in (q, kv, kv)), True, 1.0)
             shapes += 1
         for nb in range(q_bucket, n_max + 1, q_bucket):
             for p in range(key_block, context, key_block):
-                cudnn_dense(_heads_first(q[:nb]), _heads_first(kv[:p]), _heads_first(kv[:p]),
-                            False, 1.0)
+                dense(_heads_first(q[:nb]), _heads_first(kv[:p]), _heads_first(kv[:p]), False,
+                      1.0)
                 shapes += 1
     return shapes
 

@@ -8,7 +8,8 @@ import torch
 from nibble.kernels.errors import KernelInputError
 from nibble.kernels.ragged import (choose_kernel, flash_applies, ragged_causal_attention,
                                    ragged_causal_attention_ref)
-from nibble.kernels.ragged_cudnn import dense_attention_ref, merge_by_lse, split_attention
+from nibble.kernels.ragged_cudnn import (dense_attention_ref, merge_by_lse, split_attention,
+                                         warm_plans)
 
 # (cached prefix, new rows) per sequence: a prefill, extends, a one-row chunk, an empty chunk.
 SEQS = [(0, 9), (24, 7), (5, 1), (40, 16), (3, 0)]
@@ -83,6 +84,26 @@ def test_split_and_merge_match_reference(hq, h, q_bucket, key_block):
                           key_block)
     want = ragged_causal_attention_ref(q, k, v, cq, ck, 0.125)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_warm_plans_cover_every_shape_a_chunk_takes():
+    """Each dense call split_attention makes, for any chunk up to the warmed size over any
+    prefix inside the context, has a shape, stride pattern and mask warm_plans ran first."""
+    def recorder(seen):
+        def dense(q, k, v, causal, scale):
+            seen.add((q.shape, k.shape, q.stride()[1:], k.stride()[1:], causal))
+            return dense_attention_ref(q, k, v, causal, scale)
+        return dense
+
+    warmed, used = set(), set()
+    hq, h, d, chunk, context, qb, kb = 4, 2, 8, 10, 40, 4, 8
+    assert warm_plans(hq, h, d, torch.float32, torch.device("cpu"), chunk, context, qb, kb,
+                      recorder(warmed)) == len(warmed)
+    for n in range(1, chunk + 1):
+        for c in range(0, context - n + 1, 3):
+            q, k, v, cq, ck, _, _ = _case([(c, n)], hq, h, d)
+            split_attention(q, k, v, _spans(cq, ck), 0.1, recorder(used), qb, kb)
+    assert used <= warmed, sorted(used - warmed)[:3]
 
 
 def test_merge_by_lse_equals_attention_over_the_union():
