@@ -167,4 +167,3 @@ def ragged_causal_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         s = s.masked_fill(~mask.to(s.device), float("-inf"))
         out[qs:qs + n] = torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), vv).to(q.dtype)
     return out
-
