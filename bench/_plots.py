@@ -20,7 +20,8 @@ def style(i: int) -> dict[str, Any]:
             "linestyle": LINES[i % len(LINES)]}
 
 
-def _plt():
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (no display needed)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -38,7 +39,7 @@ def by_label(records: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any]
 def pareto(records: Sequence[dict[str, Any]], path: pathlib.Path, title: str) -> None:
     """Output throughput per GPU against interactivity (1/TPOT), one curve per config.
     Hollow markers: runs where requests queued for KV (iso-capacity's stopping point)."""
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
     for i, (label, rs) in enumerate(by_label(records).items()):
         st = style(i)
@@ -63,7 +64,7 @@ def pareto(records: Sequence[dict[str, Any]], path: pathlib.Path, title: str) ->
 
 def bars(headline: Sequence[dict[str, Any]], path: pathlib.Path, title: str) -> None:
     """One bar per config (its headline run): output tok/s per GPU, mean TTFT, mean TPOT."""
-    plt = _plt()
+    plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(10, 3.6))
     names = [f"{r['label']}\nc={r['concurrency']}" for r in headline]
     colors = [COLORS[i % len(COLORS)] for i in range(len(headline))]
@@ -86,7 +87,7 @@ def against_concurrency(records: Sequence[dict[str, Any]], path: pathlib.Path, t
                         panels: Sequence[tuple[str, str, float]]) -> None:
     """One panel per ``(key, ylabel, scale)``, value against concurrency, one line per config.
     A key ``a.b`` reads ``record[a][b]``."""
-    plt = _plt()
+    plt = pyplot()
     fig, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels), 3.6), squeeze=False)
     for ax, (key, ylabel, scale) in zip(axes[0], panels):
         for i, (label, rs) in enumerate(by_label(records).items()):

@@ -9,6 +9,8 @@ FlashAttention-2 before it is timed; its first call on a new shape (cuDNN builds
 execution plans then) is reported apart as ``*_first_ms``.
 
     python -m nibble.bench.prefill_attention --output-file $OUT/prefill_attention.json
+
+writes the JSON and a bar chart beside it (``prefill_attention.png``).
 """
 
 from __future__ import annotations
@@ -86,6 +88,29 @@ def run_case(n: int, c: int, hq: int, hkv: int, d: int) -> dict:
     return row
 
 
+def plot(rows: list[dict], path: str) -> None:
+    """Grouped bars of each route's TFLOP/s per ``(n, c)`` case, speed-ups written above."""
+    from ._plots import pyplot, style
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(9, 4))
+    width = 0.4
+    for i, route in enumerate(("fa2", "cudnn")):
+        xs = [j + (i - 0.5) * width for j in range(len(rows))]
+        ax.bar(xs, [r.get(f"{route}_tflops", 0.0) for r in rows], width, label=route,
+               color=style(i)["color"])
+    for j, r in enumerate(rows):
+        if "speedup" in r:
+            ax.annotate(f"{r['speedup']:.2f}x", (j, r.get("cudnn_tflops", 0.0)), ha="center",
+                        va="bottom", fontsize=8)
+    ax.set_xticks(range(len(rows)), [f"n={r['n']}\nc={r['c']}" for r in rows], fontsize=8)
+    ax.set_ylabel("TFLOP/s")
+    ax.set_title("chunk attention over a cached prefix (32 q / 8 KV heads, d=128, bf16)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--heads", type=int, default=32)
@@ -101,6 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     with open(args.output_file, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                    "cudnn": torch.backends.cudnn.version(), "rows": rows}, f, indent=1)
+    plot(rows, args.output_file.rsplit(".", 1)[0] + ".png")
 
 
 if __name__ == "__main__":
