@@ -5,7 +5,8 @@
   steps per kind: count, mean, and p50/p99 as bucket upper bounds.
 * :func:`summarize_trace` reads a ``--step-trace-file`` (one JSON line per step): per kind
   count, p50, p99 and max interval, and the slowest steps with their shapes (decodes,
-  chunk and prefix tokens, budget cost), so a slow mixed step shows its cause.
+  chunk and prefix tokens, budget cost) and host pauses (GC, allocator segments), so a
+  slow mixed step shows its cause; ``pauses`` sums those over the trace.
 """
 
 from __future__ import annotations
@@ -96,4 +97,9 @@ def summarize_trace(path: pathlib.Path, top: int = 8) -> dict[str, Any] | None:
         kinds[kind] = {"count": len(ms), "p50_ms": _pct(ms, 0.5), "p99_ms": _pct(ms, 0.99),
                        "max_ms": max(ms)}
     slowest = sorted(steps, key=lambda s: -s["interval_ms"])[:top]
-    return {"kinds": kinds, "slowest": slowest}
+    out = {"kinds": kinds, "slowest": slowest}
+    if any("gc_ms" in s for s in steps):          # a trace with the host pauses (pauses.py)
+        out["pauses"] = {k: round(sum(s.get(k, 0) for s in steps), 3)
+                         for k in ("gc_ms", "gc_runs", "gc_full", "device_mallocs",
+                                   "alloc_retries")}
+    return out

@@ -51,27 +51,56 @@ def run_format(fmt: str, args: argparse.Namespace) -> dict:
         core.step()
     _sync(device)
     core.add_request(GenerateRequest("p", random_prompt(gen, args.input_len, vocab), one))
-    chunks, profile = [], None
+    chunks, enqueue, profile, host = [], [], None, None
     mid = max(1, args.input_len // ns.chunked_prefill_size // 2)
     while core.has_unfinished():
         if len(chunks) == mid and profile is None and device.type == "cuda":
             profile = profile_steps(core.step, args.profile_chunks, device)
             continue
+        if len(chunks) == mid + 1 and host is None and args.host_profile:
+            host = host_profile(core, args.host_profile, device)
+            continue
         t0 = time.perf_counter()
         core.step()
         _sync(device)
         chunks.append(1e3 * (time.perf_counter() - t0))
+        enqueue.append(1e3 * core.runner.enqueue_s)
     flops = gemm_flops_per_token(core.runner.model)
     per_tok_us = [1e3 * ms / ns.chunked_prefill_size for ms in chunks]
     res = {"format": fmt, "chunk": ns.chunked_prefill_size, "chunk_ms": chunks,
+           "enqueue_ms": enqueue,
            "us_per_token": per_tok_us, "gemm_gflop_per_token": flops / 1e9,
            "first_chunk_gemm_tflops": flops * ns.chunked_prefill_size / (chunks[0] / 1e3) / 1e12,
-           "profile": profile}
+           "profile": profile, "host_profile": host}
     del parts, core
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return res
+
+
+def host_profile(core, steps: int, device: torch.device, top: int = 30) -> dict:
+    """cProfile over ``steps`` chunk steps (device synchronized after each): where the
+    host's time goes, and each step's forward enqueue time beside its wall time."""
+    import cProfile
+    import io
+    import pstats
+
+    prof, enqueue, wall = cProfile.Profile(), [], []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        prof.enable()
+        core.step()
+        prof.disable()
+        _sync(device)
+        wall.append(1e3 * (time.perf_counter() - t0))
+        enqueue.append(1e3 * core.runner.enqueue_s)
+    out = {"wall_ms": wall, "enqueue_ms": enqueue}
+    for key in ("tottime", "cumulative"):
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(top)
+        out[key] = buf.getvalue().splitlines()
+    return out
 
 
 def report(res: dict) -> None:
@@ -96,6 +125,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--input-len", type=int, default=32768)
     ap.add_argument("--kv-formats", nargs="+", default=["bf16", "nvfp4"])
     ap.add_argument("--profile-chunks", type=int, default=2)
+    ap.add_argument("--host-profile", type=int, default=0,
+                    help="chunk steps to run under cProfile after the profiled ones (0: none)")
     ap.add_argument("--out", type=pathlib.Path, default=None)
     args = ap.parse_args(argv)
     results = []

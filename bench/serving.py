@@ -376,6 +376,8 @@ def report_traces(records: list[dict[str, Any]], out: pathlib.Path) -> None:
         kinds = "  ".join(f"{k}: n={v['count']} p50={v['p50_ms']:.1f} p99={v['p99_ms']:.1f} "
                           f"max={v['max_ms']:.1f} ms" for k, v in got["kinds"].items())
         print(f"steps {label}: {kinds}")
+        if "pauses" in got:
+            print(f"  pauses: {json.dumps(got['pauses'])}")
         for st in got["slowest"][:3]:
             print(f"  slow step: {json.dumps(st)}")
     if summaries:

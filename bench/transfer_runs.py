@@ -26,7 +26,8 @@ Before any timing, the first (warm-up) write of every case is checked
 bit-identical at the destination (page-set checksums of source and
 destination pages); each figure is the median of ``--reps`` timed writes,
 from ``write_pages`` until the sender's poll says success. GB = 10^9 bytes.
-Writes ``transfer_runs.json`` to ``--out``; loopback only.
+Writes ``transfer_runs.json`` to ``--out``; loopback only. ``--device`` and
+``--peer-device`` put the two pools in VRAM (``cuda:0 cuda:0``: both on one GPU).
 
     python -m nibble.bench.transfer_runs --out out/transfer_runs
 """
@@ -121,7 +122,8 @@ def bench_mode(mode: str, args, layout: PageLayout, cases: dict, src_pool: torch
         opts = {**opts, "chunk_bytes": args.chunk_bytes}
     try:
         peer = LoopbackPeer({"pool": PoolSpec(name, layout, args.pool_pages, opts=(
-            {"max_chunk_bytes": args.chunk_bytes} if name == "grpc" else {}))}, secret)
+            {"max_chunk_bytes": args.chunk_bytes} if name == "grpc" else {}),
+            device=args.peer_device)}, secret)
     except TransportUnavailableError as e:
         print(f"skipping {mode}: {e}")
         return []
@@ -164,6 +166,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     ap.add_argument("--chunk-bytes", type=int, default=4 << 20, help="gRPC chunk size")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cpu", help="sender's pool (e.g. cuda:0)")
+    ap.add_argument("--peer-device", default="cpu", help="receiver's pool (e.g. cuda:0)")
     args = ap.parse_args(argv)
 
     layout = PageLayout(args.format, **GEOMETRIES[args.geometry])
@@ -174,7 +178,8 @@ def main(argv: list[str] | None = None) -> None:
     for (state, order), (src, dst) in cases.items():
         print(f"{state:<10} {order:<5} {n} pages: {len(merge_runs(src, dst))} runs")
     src_pool = torch.randint(0, 256, (args.pool_pages, layout.num_layers, layout.layer_nbytes),
-                             dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+                             dtype=torch.uint8, generator=torch.Generator().manual_seed(1)
+                             ).to(args.device)
     secret = os.urandom(32)
     rows = [r for mode in args.modes
             for r in bench_mode(mode, args, layout, cases, src_pool, secret)]
@@ -184,6 +189,7 @@ def main(argv: list[str] | None = None) -> None:
             "format": args.format, "page_nbytes": layout.page_nbytes, "tokens": args.tokens,
             "pool_pages": args.pool_pages, "churn_steps": args.churn_steps, "reps": args.reps,
             "grpc_chunk_bytes": args.chunk_bytes, "seed": args.seed, "gb": 1e9,
+            "device": args.device, "peer_device": args.peer_device,
             "timing": "write_pages until the sender's poll reports success; warm-up excluded, "
                       "pages verified bit-identical after it"}
     out = pathlib.Path(args.out)

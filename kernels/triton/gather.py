@@ -64,7 +64,10 @@ def _gather_rows(d_ptr, row, s_ptr, srow, gs_ptr, o_ptr, orow, tmask,
              mask=tmask[:, None])
 
 
-@triton.jit
+# bt_b (the block table's row stride: the step's widest table) changes from step to step;
+# specialized, each new "multiple of 16 or not" class compiled a variant inside a serving
+# step (1.3-1.8 s of host time, docs/benchmarks.md).
+@triton.jit(do_not_specialize=["bt_b"])
 def _gather_kv_kernel(bt_ptr, bt_b, seq_ptr, cu_ptr,
                       kd_ptr, kd_p, kd_h, kd_t, ks_ptr, ks_p, ks_h, ks_t,
                       vd_ptr, vd_p, vd_h, vd_t, vs_ptr, vs_p, vs_h, vs_t,

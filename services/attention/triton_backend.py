@@ -61,6 +61,7 @@ DECODE_HEAD_DIMS = (64, 128, 256)
 log = logging.getLogger(__name__)
 # cuDNN plans are built at start for chunks up to this many rows (bigger ones amortize theirs)
 WARM_MAX_CHUNK = 4096
+MIN_WORKSPACE_ROWS = 4096       # smallest kept extend workspace, rows (see _alloc_workspace)
 
 
 def _interpreting() -> bool:
@@ -126,6 +127,7 @@ class TritonAttentionBackend(AttentionBackend):
         self._gs: torch.Tensor | None = None                  # fp32 [L, 2] (k, v) global scales
         self._compute_dtype: torch.dtype | None = None   # learned from the first q
         self._ws: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._ws_store: tuple[torch.Tensor, torch.Tensor] | None = None   # kept across steps
         self._ragged: RaggedPlan | None = None
         self._recipe = RecipeHook(pool, pool.device)     # the format's calibrated K recipe
 
@@ -237,11 +239,23 @@ class TritonAttentionBackend(AttentionBackend):
         self._refresh_scales()
 
     def _alloc_workspace(self, compute_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step's extend workspace ``(k, v)``, each ``[sum(prefix + chunk lens), H, D]``."""
+        """The step's extend workspace ``(k, v)``, each ``[sum(prefix + chunk lens), H, D]``.
+
+        Views of two buffers kept across steps, grown to the next power of two of rows
+        (at least :data:`MIN_WORKSPACE_ROWS`): a new size every chunk would send the
+        caching allocator to ``cudaMalloc`` (and, near the memory limit, to freeing its
+        cache and retrying) inside a step."""
         dtype = torch.float8_e4m3fn if self.fp8_fresh else compute_dtype
-        shape = (self._ragged.num_k, self.layout.num_kv_heads, self.layout.head_dim)
-        return (torch.empty(shape, dtype=dtype, device=self.device),
-                torch.empty(shape, dtype=dtype, device=self.device))
+        rows = self._ragged.num_k
+        kept = self._ws_store
+        if kept is None or kept[0].dtype != dtype or kept[0].shape[0] < rows:
+            cap = max(MIN_WORKSPACE_ROWS, 1 << (rows - 1).bit_length())
+            self._ws_store = None                      # free the old pair before the new one
+            shape = (cap, self.layout.num_kv_heads, self.layout.head_dim)
+            kept = (torch.empty(shape, dtype=dtype, device=self.device),
+                    torch.empty(shape, dtype=dtype, device=self.device))
+            self._ws_store = kept
+        return kept[0][:rows], kept[1][:rows]
 
     # ------------------------------------------------------------------ per layer
 

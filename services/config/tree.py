@@ -193,8 +193,9 @@ class SchedulerConfig:
                 "-1 derives N from the model (Qwen3-8B: 11776); 0 counts tokens only")
     step_trace_file: str | None = flag(
         None, help="write one JSON line per engine step (kind, decodes, chunk and prefix "
-                   "tokens, budget cost, interval since the previous step) to this file, to "
-                   "see which steps stretch the inter-token latency")
+                   "tokens, budget cost, interval since the previous step, host time to "
+                   "schedule and enqueue it, GC pauses and device-allocator segments) to this "
+                   "file, to see which steps stretch the inter-token latency and why")
 
 
 @dataclass(frozen=True)

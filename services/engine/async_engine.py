@@ -27,6 +27,7 @@ from .builder import EngineParts, build_parts
 from .client import EngineStats
 from .engine import EngineCore
 from .faults import describe, is_device_fault
+from .pauses import freeze_startup_objects
 from ..parallel.follower import stop_followers
 from .types import FinishReason, GenerateRequest, RequestOutput, TokenLogprob, Usage
 
@@ -292,5 +293,11 @@ def redacted_config(cfg: NibbleConfig) -> dict:
 
 
 def build_engine(cfg: NibbleConfig) -> AsyncEngine:
-    """Load the model, size the KV pool, log capacity and start the engine thread."""
-    return AsyncEngine(build_parts(cfg), cfg)
+    """Load the model, size the KV pool, log capacity and start the engine thread.
+
+    What start-up built is frozen out of the garbage collector's walks first
+    (:func:`~.pauses.freeze_startup_objects`): a full collection inside a step then walks
+    only what the requests created."""
+    parts = build_parts(cfg)
+    freeze_startup_objects()
+    return AsyncEngine(parts, cfg)

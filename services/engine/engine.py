@@ -96,7 +96,8 @@ class EngineCore:
         self.overlap = OverlapStepper(self) if overlap else None
         self.tp_info: dict | None = None      # tensor parallel: the group's capacity (builder)
         # Step intervals by kind for /metrics, and the --step-trace-file lines.
-        self.step_timer = StepTimer.open(sched_cfg.step_trace_file)
+        self.step_timer = StepTimer.open(sched_cfg.step_trace_file, pool.device)
+        self.sched_s = 0.0      # host seconds of the last scheduling (step trace)
 
     @property
     def max_request_tokens(self) -> int:
@@ -254,9 +255,20 @@ class EngineCore:
         self.step_timer.begin()
         if self.overlap is not None:
             return self.overlap.step()
-        batch = self.scheduler.schedule()
+        batch = self.schedule()
         sampled, failed, logprobs = self._execute(batch)
         return self._process(batch, sampled, failed, logprobs)
+
+    def schedule(self):
+        """The scheduler's next batch; its host time is kept for the step trace."""
+        t0 = time.perf_counter()
+        batch = self.scheduler.schedule()
+        self.sched_s = time.perf_counter() - t0
+        return batch
+
+    def host_times(self) -> tuple[float, float]:
+        """(scheduling, forward enqueue) host seconds of the step just run or launched."""
+        return self.sched_s, self.runner.enqueue_s
 
     def _process(self, batch, sampled: dict[str, int], failed: dict[str, str],
                  logprobs: dict[str, TokenLogprob] | None = None) -> list[RequestOutput]:
@@ -318,7 +330,7 @@ class EngineCore:
             return iso.sampled, iso.failed, iso.logprobs
         prefill = sum(len(e.token_ids) for e in batch.seqs if len(e.token_ids) > 1)
         self.kv.observe_prefill(prefill, time.perf_counter() - t0)
-        self.step_timer.landed(self.step_shape(batch.seqs))
+        self.step_timer.landed(self.step_shape(batch.seqs), self.host_times())
         self._count_faults(result.failed, len(result.failed) < len(batch.seqs))
         for rid, (first_pos, lps) in result.prompt_logprobs.items():
             if rid not in result.failed:

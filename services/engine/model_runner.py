@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import torch
 
@@ -41,6 +42,9 @@ class ModelRunner:
         self.tp = getattr(model, "tp", None) or SingleGroup()   # the model's TP group
         self.tier_sync = None      # TP rank 0 with tiers: TierManager.sync, before each step
         self.tier_mirror = None    # TP follower with tiers: its TierMirror
+        # Host seconds the last forward took to plan and enqueue (its kernels may still run):
+        # beside a step's interval in the step trace, it tells a host-bound step.
+        self.enqueue_s = 0.0
 
     def release(self, request_id: str) -> None:
         """Forget a finished request's RNG and grammar state."""
@@ -66,15 +70,19 @@ class ModelRunner:
         if not seqs:
             return WorkerOutput({})
         self.announce(("step", batch, page_size))
+        t0 = time.perf_counter()
         if self.graphs is not None and self.graphs.applies(seqs):
-            return self._sample(seqs, self.graphs.run(seqs, page_size))
+            logits = self.graphs.run(seqs, page_size)
+            self.enqueue_s = time.perf_counter() - t0
+            return self._sample(seqs, logits)
         picked = [s for s in seqs if s.sample]
         self._prompt_lps = {}
+        logits = self._forward(seqs, page_size, rows=True if picked else None)
+        self.enqueue_s = time.perf_counter() - t0
         if not picked:
-            self._forward(seqs, page_size, rows=None)
             out = WorkerOutput({})
         else:
-            out = self._sample(picked, self._forward(seqs, page_size, rows=True))
+            out = self._sample(picked, logits)
         return dataclasses.replace(out, prompt_logprobs=self._prompt_lps) if self._prompt_lps \
             else out
 
@@ -92,10 +100,14 @@ class ModelRunner:
         None when no entry samples; a captured graph where one applies. ``ids``: int64 ``[T]``
         input ids already on the device (a launched step, overlap scheduling), else built from
         ``token_ids``."""
+        t0 = time.perf_counter()
         if self.graphs is not None and self.graphs.applies(seqs):
-            return self.graphs.run(seqs, page_size, ids)
-        rows = True if any(e.sample for e in seqs) else None
-        return self._forward(seqs, page_size, rows=rows, ids=ids)
+            logits = self.graphs.run(seqs, page_size, ids)
+        else:
+            rows = True if any(e.sample for e in seqs) else None
+            logits = self._forward(seqs, page_size, rows=rows, ids=ids)
+        self.enqueue_s = time.perf_counter() - t0
+        return logits
 
     @torch.inference_mode()
     def forward_only(self, batch: ScheduledBatch, page_size: int) -> None:

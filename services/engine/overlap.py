@@ -47,6 +47,7 @@ class Launched:
     rows: dict[str, int] = field(default_factory=dict)   # request id -> row in ``tokens``
     logprobs: StepLogprobs | None = None   # host copy, valid once ``event`` is done
     shape: StepShape | None = None   # what the step ran (for the engine's step timer)
+    host_s: tuple[float, float] | None = None   # its scheduling and enqueue host seconds
 
     def wait(self) -> list[int]:
         """The sampled ids on the host (blocks until the device is done with the step)."""
@@ -90,10 +91,27 @@ def _mid_chunk(e: ScheduledSeq) -> bool:
     return not e.sample and e.sampling.prompt_logprobs is None and min(e.token_ids) >= 0
 
 
+def _last_chunk(e: ScheduledSeq, seqs: dict) -> bool:
+    """A prompt's last chunk, whose first generated token can stay on the device like a
+    decode's (ids all known, sampling that needs no host tokens, no prompt logprobs)."""
+    seq = seqs[e.request_id]
+    return e.sample and e.sampling.overlappable and min(e.token_ids) >= 0 and \
+        e.start_pos < seq.num_prompt == e.start_pos + len(e.token_ids) == len(seq.token_ids)
+
+
+def _last_chunk_done(e: ScheduledSeq, seqs: dict) -> bool:
+    """After the optimistic advance: ``e`` ran a prompt's last chunk."""
+    seq = seqs[e.request_id]
+    return e.sample and e.start_pos < seq.num_prompt == e.start_pos + len(e.token_ids)
+
+
 def is_overlappable(batch: ScheduledBatch, seqs: dict) -> bool:
-    """Pure decodes plus prefill chunks that do not end their prompt: launched without
-    waiting, so a long prompt's chunks overlap the host's work like decode steps do."""
-    return bool(batch.seqs) and all(_decodes(e, seqs) or _mid_chunk(e) for e in batch.seqs)
+    """Pure decodes, prefill chunks and prompts' last chunks: launched without waiting, so
+    a long prompt's chunks overlap the host's work like decode steps do and a prompt's end
+    leaves no gap in the pipeline (a synchronous step there cost every decoding stream a
+    step of host work plus a whole step of the device: their slowest inter-token gaps)."""
+    return bool(batch.seqs) and all(_decodes(e, seqs) or _mid_chunk(e) or _last_chunk(e, seqs)
+                                    for e in batch.seqs)
 
 
 class OverlapStepper:
@@ -108,6 +126,7 @@ class OverlapStepper:
         self.ring = HostRing(core.runner.device)
         self.launches = 0           # steps launched without waiting (for tests and metrics)
         self.chunk_launches = 0     # of which ran prompt chunks
+        self.first_token_launches = 0   # of which ended a prompt (its first token sampled)
         # A batch that must run synchronously, planned while a launched step was in flight:
         # that step's tokens go out first, the batch runs at the next call.
         self.deferred: ScheduledBatch | None = None
@@ -117,7 +136,7 @@ class OverlapStepper:
         if self.deferred is not None:
             batch, self.deferred = self.deferred, None
             return self._run_sync(batch)
-        batch = core.scheduler.schedule()
+        batch = core.schedule()
         prev = self.inflight
         if is_overlappable(batch, core._seqs):
             launched = self._launch(batch, prev)
@@ -185,19 +204,18 @@ class OverlapStepper:
             return None
         launched = Launched(picked, [core._seqs[e.request_id].incarnation for e in picked],
                             tokens, host, event, {e.request_id: i for i, e in enumerate(picked)},
-                            lps, core.step_shape(seqs))
+                            lps, core.step_shape(seqs), core.host_times())
         for e in seqs:              # optimistic: the step ran, its token is on its way
             seq = core._seqs[e.request_id]
-            if not e.sample:        # a prompt chunk: computed, nothing to wait for
-                core.num_prompt_tokens_computed += max(
-                    0, min(len(e.token_ids), seq.num_prompt - seq.num_computed))
-                seq.num_computed += len(e.token_ids)
-                continue
-            seq.num_computed += 1
-            seq.token_ids.append(-1)
-            seq.num_pending += 1
+            core.num_prompt_tokens_computed += max(
+                0, min(len(e.token_ids), seq.num_prompt - seq.num_computed))
+            seq.num_computed += len(e.token_ids)
+            if e.sample:            # a decode or a prompt's last chunk: a token to come
+                seq.token_ids.append(-1)
+                seq.num_pending += 1
         self.launches += 1
-        self.chunk_launches += len(picked) < len(seqs)
+        self.chunk_launches += any(len(e.token_ids) > 1 or not e.sample for e in seqs)
+        self.first_token_launches += any(_last_chunk_done(e, core._seqs) for e in seqs)
         return launched
 
     @staticmethod
@@ -220,7 +238,7 @@ class OverlapStepper:
         outputs: list[RequestOutput] = []
         tokens = launched.wait()
         if launched.shape is not None:
-            core.step_timer.landed(launched.shape)
+            core.step_timer.landed(launched.shape, launched.host_s)
         lps = launched.logprobs.to_host(tokens) if launched.logprobs is not None else {}
         failed: dict[str, str] = {}
         for row, (e, inc, token) in enumerate(zip(launched.picked, launched.incarnations, tokens)):
@@ -231,6 +249,8 @@ class OverlapStepper:
                 self._roll_back(seq, e)
                 failed[e.request_id] = "non-finite logits (NaN or inf)"
                 continue
+            if seq.num_output == 0:     # its prompt is done: share the prompt's pages
+                core.scheduler.cache_computed(seq, seq.num_prompt)
             outputs.append(core._emit_token(seq, token, lps.get(row)))
         if failed:
             core._count_faults(failed, len(failed) < len(launched.picked))
@@ -243,8 +263,9 @@ class OverlapStepper:
     @staticmethod
     def _roll_back(seq, entry: ScheduledSeq) -> None:
         """Undo the optimistic advance of a failed entry and of anything after it: the
-        sequence is back where it was when ``entry`` was scheduled."""
-        del seq.token_ids[entry.start_pos + 1:]
+        sequence is back where it was when ``entry`` was scheduled (a prompt chunk's ids
+        stay: they are the prompt's)."""
+        del seq.token_ids[entry.start_pos + len(entry.token_ids):]
         seq.num_pending = 0
         seq.num_computed = entry.start_pos
         seq.incarnation += 1

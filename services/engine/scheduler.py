@@ -77,10 +77,12 @@ class Scheduler:
         """Give ``seq`` pages for ``num_tokens`` more tokens; False if the pool is short."""
         return self.kv.grow(seq.handle, seq.num_computed + num_tokens)
 
-    def cache_computed(self, seq: Sequence) -> None:
-        """Offer the sequence's fully computed pages to the prefix cache."""
+    def cache_computed(self, seq: Sequence, upto: int | None = None) -> None:
+        """Offer the sequence's fully computed pages (of its first ``upto`` tokens, default
+        all computed ones) to the prefix cache."""
         if seq.handle is not None:
-            self.kv.commit(seq.handle, seq.token_ids[:seq.num_computed])
+            n = seq.num_computed if upto is None else min(upto, seq.num_computed)
+            self.kv.commit(seq.handle, seq.token_ids[:n])
 
     def release(self, seq: Sequence, cache: bool = True) -> None:
         """Cache what is reusable (unless ``cache`` is False), then drop the sequence's page

@@ -5,7 +5,8 @@ landings (their sampled tokens reach the host) is the inter-token latency the en
 causes. ``StepTimer.landed`` records it per step *kind*: ``decode`` (generated tokens
 only), ``prefill`` (prompt chunks only) or ``mixed`` (both: the steps that stretch a
 decode's ITL). The histogram goes to ``/metrics`` as ``nibble:step_interval_seconds``;
-``--step-trace-file`` also writes one JSON line per step with its shape, to find which
+``--step-trace-file`` also writes one JSON line per step with its shape and the host pauses
+inside it (garbage collection, device-allocator segments: :mod:`.pauses`), to find which
 steps are slow and why (``nibble.bench.serving`` summarizes it).
 
 An interval starts at the previous landing, or, after the engine idled, when the step
@@ -21,6 +22,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Callable, TextIO
 
+from .pauses import PauseMeter, cuda_alloc_stats
 from .step_budget import chunk_cost
 
 log = logging.getLogger(__name__)
@@ -68,12 +70,14 @@ class StepTimer:
     """Step intervals by kind (cumulative histograms), and an optional JSON-lines trace.
 
     ``clock``: seconds, monotonic (injected by tests). ``trace``: an open text file or None.
+    ``pauses``: a meter whose counts since the previous step go into each trace line.
     """
 
     def __init__(self, trace: TextIO | None = None, clock: Callable[[], float] = time.perf_counter,
-                 max_trace_lines: int = MAX_TRACE_LINES):
+                 max_trace_lines: int = MAX_TRACE_LINES, pauses: PauseMeter | None = None):
         self.clock = clock
         self.trace = trace
+        self.pauses = pauses
         self.max_trace_lines = max_trace_lines
         self.trace_lines = 0
         self._start = clock()
@@ -82,9 +86,13 @@ class StepTimer:
         self.sums = dict.fromkeys(KINDS, 0.0)
 
     @classmethod
-    def open(cls, path: str | None) -> "StepTimer":
-        """A timer writing its trace to ``path`` (truncated), or without a trace."""
-        return cls(open(path, "w", buffering=1 << 16) if path else None)
+    def open(cls, path: str | None, device=None) -> "StepTimer":
+        """A timer writing its trace to ``path`` (truncated), or without a trace; a traced
+        timer meters the host pauses (and ``device``'s allocator on CUDA)."""
+        if not path:
+            return cls(None)
+        return cls(open(path, "w", buffering=1 << 16),
+                   pauses=PauseMeter(alloc_stats=cuda_alloc_stats(device)))
 
     def idle(self) -> None:
         """The engine had no work: the next interval starts when it gets some."""
@@ -95,9 +103,12 @@ class StepTimer:
         now."""
         if self._last is None:
             self._last = self.clock()
+            if self.pauses is not None:         # pauses while idle belong to no step
+                self.pauses.take()
 
-    def landed(self, shape: StepShape) -> None:
-        """A step's tokens reached the host now."""
+    def landed(self, shape: StepShape, host: tuple[float, float] | None = None) -> None:
+        """A step's tokens reached the host now. ``host``: seconds its scheduling and its
+        forward's planning and enqueueing took on the host (trace only)."""
         now = self.clock()
         last, self._last = self._last, now
         interval = now - last if last is not None else 0.0
@@ -109,6 +120,10 @@ class StepTimer:
             rec = {"t": round(now - self._start, 6), "kind": kind,
                    "interval_ms": round(interval * 1e3, 3), **asdict(shape)}
             rec["cost"] = round(rec["cost"], 1)
+            if host is not None:
+                rec["sched_ms"], rec["enqueue_ms"] = (round(x * 1e3, 3) for x in host)
+            if self.pauses is not None:
+                rec.update(self.pauses.take())
             self.trace.write(json.dumps(rec) + "\n")
 
     def snapshot(self) -> dict[str, dict]:
@@ -127,6 +142,8 @@ class StepTimer:
         return out
 
     def close(self) -> None:
+        if self.pauses is not None:
+            self.pauses.close()
         if self.trace is not None:
             try:
                 self.trace.close()

@@ -68,3 +68,17 @@ def test_trace_summary_names_the_slowest_steps(tmp_path):
     assert got["slowest"][0]["prefix_tokens"] == 29000
     json.dumps(got)
     assert summarize_trace(tmp_path / "missing.jsonl") is None
+    assert "pauses" not in got          # a trace without the meter's fields
+
+
+def test_trace_summary_adds_up_the_host_pauses(tmp_path):
+    lines = [{"kind": "decode", "interval_ms": 9.0, "gc_ms": 0.5, "gc_runs": 1, "gc_full": 0,
+              "device_mallocs": 0, "alloc_retries": 0},
+             {"kind": "mixed", "interval_ms": 210.0, "gc_ms": 80.25, "gc_runs": 2, "gc_full": 1,
+              "device_mallocs": 2, "alloc_retries": 1}]
+    path = tmp_path / "steps.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    got = summarize_trace(path)
+    assert got["pauses"] == {"gc_ms": 80.75, "gc_runs": 3, "gc_full": 1, "device_mallocs": 2,
+                             "alloc_retries": 1}
+    assert got["slowest"][0]["gc_ms"] == 80.25

@@ -94,3 +94,24 @@ def test_gather_rejects_bad_arguments():
     with pytest.raises(KernelInputError, match="out"):
         gather_kv(layout, pages, tables, lens, dtype=torch.float16,
                   out=(torch.empty(7, 2, 32), torch.empty(7, 2, 32)))
+
+
+@pytest.mark.gpu
+def test_a_new_block_table_width_compiles_nothing():
+    """The block table's width changes every serving step; a width that is not a multiple
+    of 16 must reuse the compiled kernel (each new class compiled a variant, 1.3-1.8 s,
+    inside a serving step)."""
+    from nibble.kernels.triton import gather as tg
+
+    layout = PageLayout("nvfp4", 2, 2, 64, 16)
+
+    def run(width):
+        pool, _ = _filled(layout, 2 * width, seed=width)
+        tables = torch.arange(2 * width, dtype=torch.int32).view(2, width).cuda()
+        gather_kv(layout, layout.layer_view(pool.cuda(), 1), tables,
+                  torch.tensor([16 * width - 3, 7], device="cuda"), 0.37, 2.0, torch.bfloat16)
+        torch.cuda.synchronize()
+        return len(tg._gather_kv_kernel.device_caches[torch.cuda.current_device()][0])
+
+    first = run(32)
+    assert [run(w) for w in (33, 1, 47, 48)] == [first] * 4, "a table width compiled a variant"

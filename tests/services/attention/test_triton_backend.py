@@ -159,3 +159,27 @@ def test_all_decode_step_writes_output_in_place(monkeypatch):
     ref.plan(meta)
     # The reference stores the same tokens again (identical bytes), then attends.
     torch.testing.assert_close(out, ref.forward(0, q, k, v, meta), atol=2e-5, rtol=1e-4)
+
+
+def test_extend_workspace_is_kept_across_steps():
+    """The extend workspace is a view of buffers kept across steps, grown by powers of two:
+    a new size every chunk would put a cudaMalloc inside the step."""
+    _, pool, meta = _pools("nvfp4")
+    backend = TritonAttentionBackend(pool, 0.125)
+    backend._compute_dtype = torch.float32
+    backend.plan(meta)
+    first = backend._ws
+    kept = backend._ws_store
+    assert kept[0].shape[0] == tb.MIN_WORKSPACE_ROWS
+    assert first[0].shape[0] == backend._ragged.num_k
+    assert first[0].data_ptr() == kept[0].data_ptr() and first[1].data_ptr() == kept[1].data_ptr()
+    backend.plan(meta)
+    assert backend._ws[0].data_ptr() == first[0].data_ptr(), "a second step reallocated"
+    backend._ragged.num_k = tb.MIN_WORKSPACE_ROWS + 1          # a longer prefix arrives
+    grown = backend._alloc_workspace(torch.float32)
+    assert grown[0].shape[0] == tb.MIN_WORKSPACE_ROWS + 1
+    assert backend._ws_store[0].shape[0] == 2 * tb.MIN_WORKSPACE_ROWS
+    backend._ragged.num_k = 2 * tb.MIN_WORKSPACE_ROWS - 5     # still fits: same buffers
+    assert backend._alloc_workspace(torch.float32)[0].data_ptr() == grown[0].data_ptr()
+    other = backend._alloc_workspace(torch.bfloat16)           # another dtype: new buffers
+    assert other[0].dtype == torch.bfloat16 and other[0].data_ptr() != grown[0].data_ptr()

@@ -182,3 +182,55 @@ def test_a_synchronous_step_never_hands_a_stream_two_tokens_at_once(fp32_model):
     assert most == 1
     ref = run_all(make_engine(fp32_model), [greedy("a", PROMPT[:10], n=30)])["a"][0]
     assert got == ref
+
+
+def test_a_prompts_last_chunk_is_launched_and_its_pages_cached(fp32_model):
+    """A prompt's last chunk is launched like a decode step (no synchronous step, so no
+    pipeline gap at a prompt's end); its first token lands one step later, the prompt's
+    pages go to the prefix cache then, so a request arriving while it decodes reuses
+    them. Same tokens as the synchronous engine."""
+    def reqs():
+        return [greedy("d", PROMPT[:9], n=14), greedy("long", PROMPT[2:60], n=4),
+                greedy("late", PROMPT[11:50], n=5), greedy("one", PROMPT[20:41], n=1)]
+    ref, got, eng = both(fp32_model, reqs, chunked_prefill_size=8, max_prefill_tokens=12)
+    assert got == ref
+    assert eng.overlap.first_token_launches >= 3
+    pages_balance(eng)
+    eng = make_engine(fp32_model, overlap=True, chunked_prefill_size=8, max_prefill_tokens=12)
+    eng.add_request(greedy("long", PROMPT[2:60], n=8))
+    while not any(o.request_id == "long" and o.new_token_ids for o in eng.step()):
+        pass
+    assert eng.overlap.first_token_launches == 1
+    eng.add_request(greedy("again", PROMPT[2:60], n=2))     # "long" is still decoding
+    done = {}
+    while eng.has_unfinished():
+        done.update({o.request_id: o for o in eng.step() if o.finished})
+    assert done["again"].usage.cached_tokens >= 48, "the launched prompt's pages were not cached"
+    pages_balance(eng)
+
+
+def test_nan_in_a_launched_last_chunk_keeps_the_prompt(fp32_model):
+    """The first token of a launched last chunk comes back NaN: the request fails alone;
+    the roll-back keeps its prompt ids (a decode's roll-back cuts after one id)."""
+    prompts = {"a": PROMPT[:30], "b": PROMPT[3:40]}
+
+    def run(overlap):
+        eng = make_engine(fp32_model, overlap=overlap, chunked_prefill_size=16,
+                          max_prefill_tokens=40)
+        runner = inject(eng, nan_for={"b"})
+        seen = []
+        orig = eng.overlap._roll_back if overlap else None
+        if overlap:
+            def spy(seq, entry):
+                orig(seq, entry)
+                seen.append((list(seq.token_ids), seq.num_computed))
+            eng.overlap._roll_back = spy
+        got = run_outputs(eng, [greedy(r, p, n=6) for r, p in prompts.items()])
+        return got, eng, runner, seen
+    ref, *_ = run(False)
+    got, eng, _, seen = run(True)
+    assert got["a"] == ref["a"]
+    assert got["b"][1] is FinishReason.ABORT and got["b"][3] == "RequestFaultError"
+    assert eng.overlap.first_token_launches >= 1
+    assert seen and seen[0][0] == list(prompts["b"]) and 0 < seen[0][1] < len(prompts["b"])
+    pages_balance(eng)

@@ -97,3 +97,10 @@ def test_engine_traces_every_step(fp32_model, tmp_path, overlap):
     assert {s["kind"] for s in steps} == {"prefill", "mixed", "decode"}
     assert sum(v["count"] for v in stats.values()) == len(steps)
     assert all(s["interval_ms"] >= 0 for s in steps)
+    # host side of each step: scheduling, the forward's plan + enqueue (on CPU the forward
+    # runs while it is enqueued; a synchronous step's enqueue lies inside its interval, a
+    # launched one's overlapped the step before), the pause meter's counts
+    assert all(s["sched_ms"] >= 0 and s["enqueue_ms"] > 0 for s in steps)
+    if not overlap:
+        assert all(s["enqueue_ms"] <= s["interval_ms"] + 1e-3 for s in steps[1:])
+    assert all({"gc_ms", "device_mallocs"} <= s.keys() for s in steps)
