@@ -11,17 +11,12 @@ and reduce kernels' own durations (torch.profiler, 20 plain calls, one wave of s
     python3 bench/kernels_cuda_ab.py --tag new --cases 0,1,3 --variants 10424,10404 \\
         --fp8 110602 --profile 10424 [--sdpa] [--sass]
 
-Layout-v2 variants (``decode.V2_VARIANTS``, e.g. ``--variants 10424,10434,10444``) read code
-bytes in ``kernels/cuda/bitlayout.py``'s order: their check converts the checked layer to v2
-around the call (the reference reads v1), and each case's pool is converted once after the v1
-variants' timings, before theirs. JSON to ``$OUT/k17_<tag>.json`` (``--sass``: also
-``$OUT/sass_<tag>.txt``).
+JSON to ``$OUT/k17_<tag>.json`` (``--sass``: also ``$OUT/sass_<tag>.txt``).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
@@ -33,59 +28,10 @@ import torch
 sys.path.insert(0, os.getcwd())
 from nibble.bench import kernels as tk  # noqa: E402
 from nibble.bench import kernels_cuda as kc  # noqa: E402
-from nibble.kernels.cuda import bitlayout as bl  # noqa: E402
 from nibble.kernels.cuda import decode as cd  # noqa: E402
 
 CHECKS = ((16, 4, [1, 15, 16, 17, 2999, 40000], 1), (64, 4, [63, 3000, 9000], 2),
           (32, 8, [500, 5], 3), (16, 2, [1234], 4))
-
-
-@contextlib.contextmanager
-def v2_calls(convert_each: bool):
-    """Make kernels_cuda's decode calls read v2 pages (``code_layout=2``).
-
-    ``convert_each``: convert the call's view to v2 before each call and back after it
-    (``kc.check``'s reference reads the same view as v1); otherwise the caller has converted
-    the pool once.
-    """
-    orig = kc.decode_attention_cuda
-
-    def call(layout, view, *args, **kw):
-        if convert_each:
-            bl.convert_pages_(view, 2)
-        try:
-            return orig(layout, view, *args, code_layout=2, **kw)
-        finally:
-            if convert_each:
-                bl.convert_pages_(view, 1)
-    kc.decode_attention_cuda = call
-    try:
-        yield
-    finally:
-        kc.decode_attention_cuda = orig
-
-
-def check(var: int) -> list[float]:
-    """kernels_cuda.check of ``var`` over CHECKS (v2 variants on converted pages)."""
-    with v2_calls(True) if var in cd.V2_VARIANTS else contextlib.nullcontext():
-        return [kc.check(var, s, g, lens, seed) for s, g, lens, seed in CHECKS]
-
-
-def time_nvfp4(layout, view, case: tuple, variants: list[int], profile: list[int],
-               read_bw: float, row: dict, tag: str) -> None:
-    """Time (and profile) the v1 variants, convert the pool to v2 once, then the v2 ones."""
-    row["cuda_nvfp4"] = []
-    for v2 in (False, True):
-        vs = [v for v in variants if (v in cd.V2_VARIANTS) == v2]
-        ps = [v for v in profile if (v in cd.V2_VARIANTS) == v2]
-        if v2 and (vs or ps):
-            bl.convert_pages_(view, 2)
-        with v2_calls(False) if v2 else contextlib.nullcontext():
-            if vs:
-                row["cuda_nvfp4"] += kc.time_cuda(layout, view, case, vs, read_bw)
-        for var in ps:
-            row.setdefault("profile", []).append(kernel_times(layout, view, case, var))
-            print(f"[{tag}] profile {case} {row['profile'][-1]}", flush=True)
 
 
 def kernel_times(layout, view, case: tuple, variant: int) -> dict:
@@ -98,8 +44,7 @@ def kernel_times(layout, view, case: tuple, variant: int) -> dict:
 
     def fn():
         cd.decode_attention_cuda(layout, view, q, tables, lens, d ** -0.5, tk.ONE, tk.ONE,
-                                 out=out, num_splits=ns, variant=variant,
-                                 code_layout=cd.code_layout_of(variant))
+                                 out=out, num_splits=ns, variant=variant)
     for _ in range(5):
         fn()
     torch.cuda.synchronize()
@@ -137,7 +82,7 @@ def main() -> None:
     nv = [int(v) for v in a.variants.split(",") if v]
     f8 = [int(v) for v in a.fp8.split(",") if v]
     for var in nv + f8:
-        errs = check(var)
+        errs = [kc.check(var, s, g, lens, seed) for s, g, lens, seed in CHECKS]
         res["checks"].append({"variant": var, "errs": errs})
         print(f"[{a.tag}] check v{var}: {max(errs):.2e}", flush=True)
     for ci in [int(c) for c in a.cases.split(",") if c]:
@@ -151,11 +96,11 @@ def main() -> None:
             layout, pool, view = tk.filled_pool(fmt, h, d, s, pages, seed=b)
             row[f"bytes_{fmt}"] = tk.kv_bytes(layout, b * ctx)
             print(f"[{a.tag}] case {case} {fmt}", flush=True)
-            if fmt == "nvfp4":
-                prof = [int(v) for v in a.profile.split(",") if v] if ci in (0, 1) else []
-                time_nvfp4(layout, view, case, vs, prof, rb, row, a.tag)
-            else:
-                row[f"cuda_{fmt}"] = kc.time_cuda(layout, view, case, vs, rb)
+            row[f"cuda_{fmt}"] = kc.time_cuda(layout, view, case, vs, rb)
+            if a.profile and fmt == "nvfp4" and ci in (0, 1):
+                for var in [int(v) for v in a.profile.split(",")]:
+                    row.setdefault("profile", []).append(kernel_times(layout, view, case, var))
+                    print(f"[{a.tag}] profile {case} {row['profile'][-1]}", flush=True)
             del pool, view
             torch.cuda.empty_cache()
         if a.sdpa and s == 16:

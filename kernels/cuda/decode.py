@@ -39,16 +39,9 @@ VARIANTS = (10424, 24, 10404, 4, 10425, 10426)
 # 6 stages (two pairs in flight), 2 CTAs per SM; 110403 / 110404 4 stages, 168 / 128-register
 # caps; 100304 / 100204 one tile per step, 3 / 2 stages.
 FP8_VARIANTS = (110602, 110403, 110404, 100304, 100204)
-# Layout-v2 variants (issue 17; benchmark only until the page layout version moves): 10424's
-# loops with dequant 3 / 4, which read code bytes in bitlayout.py's v2 order (4 LOP3 + 3 shifts
-# + 2 PRMT per 8 codes, V stored pre-paired; dequant 4 shifts right with IMAD.HI on the FMA
-# pipe). The caller converts the pool first (bitlayout.convert_pages_) and passes
-# code_layout=2; the wrapper refuses v2 pages for v1 variants and the reverse. Same fp16
-# operands as 10424 on the v1 pages, so the same results.
-V2_VARIANTS = (10434, 10444)
-# Benchmark-only variants: 1004 loads without compute, 2004 computes on register data without
-# loads (diagnostics, wrong results), and V2_VARIANTS (right results on v2 pages only).
-DIAG_VARIANTS = (1004, 2004) + V2_VARIANTS
+# Diagnostics for the benchmark only (wrong results): 1004 loads without compute, 2004
+# computes on register data without loads.
+DIAG_VARIANTS = (1004, 2004)
 DEFAULT_VARIANT = 10424  # fastest on an H200 in every benchmark case (docs/benchmarks.md)
 DEFAULT_FP8_VARIANT = 110602  # equal to 110403 in sum over the benchmark cases, 6% faster
                                # at 64 x 4096, 2% slower at 32 x 32768 (H200)
@@ -144,11 +137,6 @@ def _check_pool_views(pages: LayerPages) -> int:
     return stride
 
 
-def code_layout_of(variant: int) -> int:
-    """The code byte order a variant reads: 2 for :data:`V2_VARIANTS` (bitlayout.py), else 1."""
-    return 2 if variant in V2_VARIANTS else 1
-
-
 def default_variant(layout: PageLayout) -> int:
     """The fastest measured variant for the layout's page format."""
     return DEFAULT_FP8_VARIANT if layout.fmt.k.name == "fp8_e4m3" else DEFAULT_VARIANT
@@ -160,7 +148,7 @@ def decode_attention_cuda(layout: PageLayout, pages: LayerPages, q: torch.Tensor
                           v_scale: float | torch.Tensor = 1.0, *,
                           out: torch.Tensor | None = None, num_splits: int | None = None,
                           max_seq_len: int | None = None,
-                          variant: int | None = None, code_layout: int = 1) -> torch.Tensor:
+                          variant: int | None = None) -> torch.Tensor:
     """Paged GQA decode over NVFP4 or FP8 pages: ``q[b]`` attends over ``seq_lens[b]`` tokens.
 
     Args:
@@ -178,9 +166,6 @@ def decode_attention_cuda(layout: PageLayout, pages: LayerPages, q: torch.Tensor
             :func:`default_num_splits` from ``max_seq_len`` (default ``M * S``).
         variant: kernel variant from :data:`VARIANTS` (NVFP4) or :data:`FP8_VARIANTS`;
             default :func:`default_variant`.
-        code_layout: the bit order of the pages' code bytes: 1 (the page layout) or 2
-            (:mod:`.bitlayout`'s v2, converted by the caller; only :data:`V2_VARIANTS` read
-            it, and they read nothing else).
     Returns:
         ``out``.
     Raises:
@@ -201,10 +186,6 @@ def decode_attention_cuda(layout: PageLayout, pages: LayerPages, q: torch.Tensor
     if variant not in allowed:
         raise KernelInputError(f"variant must be one of {allowed} for {layout.kv_format}, got "
                                f"{variant}")
-    if code_layout != code_layout_of(variant):
-        raise KernelInputError(f"variant {variant} reads code layout {code_layout_of(variant)} "
-                               f"pages, got code_layout={code_layout!r} (no mixing: convert with "
-                               f"kernels.cuda.bitlayout and pick a variant of V2_VARIANTS)")
     if num_splits is not None and num_splits < 1:
         raise KernelInputError(f"num_splits must be >= 1, got {num_splits}")
     if torch.cuda.get_device_capability(device) != (9, 0):

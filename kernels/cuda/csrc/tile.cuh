@@ -97,22 +97,9 @@ __device__ __forceinline__ uint32_t and_b32(uint32_t a, uint32_t b) {
 // zero low byte with a byte permute. DQ 0: 4 LOP3 + 3 shifts + 4 PRMT per 8 codes (as the
 // compiler emits the plain expression); DQ 2: 3 LOP3 + 3 shifts + 4 PRMT, one sign word
 // shared by both nibble halves. (An E4M3-byte form widened by cvt.rn.f16x2.e4m3x2 was 1-2%
-// slower and was removed.) DQ 3 / 4 read code layout v2 (../bitlayout.py; per byte, code X at
-// bits 1-3 (magnitude) and 7 (sign), code Y at 4-6 and 0) and give DQ 2's r of the v1 word:
-// r0, r1 = the X codes of bytes 0, 2 / 1, 3 masked in place (LOP3; IMAD.SHL + LOP3), r2, r3 =
-// the Y codes as byte images (sign word, two shifts, LOP3) placed by two PRMT: 4 LOP3 + 3
-// shifts + 2 PRMT per 8 codes. DQ 4 shifts right with IMAD.HI (FMA pipe) instead of SHF.
+// slower and was removed.)
 template <int DQ>
 __device__ __forceinline__ void dq8(uint32_t w, uint32_t (&r)[4]) {
-  if (DQ == 3 || DQ == 4) {
-    const uint32_t m = DQ == 4 ? __umulhi(w, 1u << 29) : w >> 3;
-    const uint32_t h = lop3_sel(and_b32(w, 0x01010101u) << 7, m, 0x0E0E0E0Eu);
-    r[0] = and_b32(w << 8, 0x8E008E00u);
-    r[1] = and_b32(w, 0x8E008E00u);
-    r[2] = __byte_perm(h, 0, 0x2404);
-    r[3] = __byte_perm(h, 0, 0x3414);
-    return;
-  }
   uint32_t l, h;
   if (DQ == 0) {
     l = ((w << 4) & 0x80808080u) | ((w << 1) & 0x0E0E0E0Eu);
@@ -252,16 +239,10 @@ __device__ __forceinline__ void tile_pv(const Tile& x, uint32_t pb0, uint32_t pb
 #pragma unroll
     for (int zs = 0; zs < 2; ++zs) {
       // token pairs (2t, 2t+1) and (8+2t, 9+2t) interleaved byte-wise: {A.b, B.b, A.b', B.b'}
-      // (layout v2, DQ 3 / 4: stored so, as word wi of rows 2t + zs and 8 + 2t + zs)
       const uint32_t sel = zs ? 0x7362 : 0x5140;
       uint32_t ra[4], rb[4];
-      if (DQ >= 3) {
-        dq8<DQ>(wi ? x.v[zs].y : x.v[zs].x, ra);
-        dq8<DQ>(wi ? x.v[2 + zs].y : x.v[2 + zs].x, rb);
-      } else {
-        dq8<DQ>(__byte_perm(wi ? x.v[0].y : x.v[0].x, wi ? x.v[1].y : x.v[1].x, sel), ra);
-        dq8<DQ>(__byte_perm(wi ? x.v[2].y : x.v[2].x, wi ? x.v[3].y : x.v[3].x, sel), rb);
-      }
+      dq8<DQ>(__byte_perm(wi ? x.v[0].y : x.v[0].x, wi ? x.v[1].y : x.v[1].x, sel), ra);
+      dq8<DQ>(__byte_perm(wi ? x.v[2].y : x.v[2].x, wi ? x.v[3].y : x.v[3].x, sel), rb);
 #pragma unroll
       for (int i = 0; i < 4; ++i) { ra[i] = hmul2(ra[i], sc0); rb[i] = hmul2(rb[i], sc1); }
       const int i0 = 4 * wi + 2 * zs;     // r0/r2 = d j, j+1 (j = 8wi + 4zs); r1/r3 = j+2, j+3
