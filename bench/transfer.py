@@ -32,7 +32,7 @@ import torch
 from nibble.kernels import PageLayout
 from nibble.tiering.transfer import (TransferState, TransportUnavailableError, create_transport,
                                      page_set_checksum)
-from nibble.tiering.transfer.grpc_transport import DEFAULT_CHUNK_BYTES
+from nibble.tiering.transfer.grpc_wire import DEFAULT_CHUNK_BYTES
 from nibble.tiering.transfer.loopback import LoopbackPeer, PoolSpec
 
 GEOMETRIES = {

@@ -281,6 +281,19 @@ def register_transport(name: str) -> Callable[[type[KVTransport]], type[KVTransp
     return _TRANSPORTS.register(name)
 
 
+def register_unavailable(name: str, why: str) -> None:
+    """Keep ``name`` known where its transport cannot load: creating it raises
+    TransportUnavailableError with ``why`` (not "unknown transport")."""
+    from .errors import TransportUnavailableError
+
+    class Unavailable(KVTransport):
+        def __new__(cls, *args, **opts):
+            raise TransportUnavailableError(f"the {name} transport is unavailable: {why}")
+
+    Unavailable.__qualname__ = f"Unavailable[{name}]"
+    _TRANSPORTS.register(name)(Unavailable)
+
+
 def transport_names() -> list[str]:
     return _TRANSPORTS.names()
 

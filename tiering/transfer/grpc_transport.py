@@ -70,7 +70,7 @@ from .errors import TicketError, TransferArgumentError, TransportUnavailableErro
 from .staging import PinnedRing
 from .tickets import RejectReason, TransferTicket
 
-DEFAULT_CHUNK_BYTES = 4 << 20
+DEFAULT_CHUNK_BYTES = grpc_wire.DEFAULT_CHUNK_BYTES
 TLS_TARGET_NAME = "nibble-kv-transfer"
 DEFAULT_MAX_CHUNK_BYTES = 16 << 20
 _HEADER_ROOM = 1 << 20  # the first message's ticket: 4-5 bytes per page id

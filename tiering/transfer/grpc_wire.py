@@ -24,6 +24,8 @@ import torch
 
 from nibble.proto.nibble.v1 import kv_transfer_pb2 as pb
 
+DEFAULT_CHUNK_BYTES = 4 << 20     # page bytes per data message (grpc_transport's default)
+
 _PAGE_INDEX, _OFFSET, _DATA = 3, 4, 5
 _VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
 
