@@ -23,8 +23,9 @@ from .tickets import (CompletedTransfer, RejectedTransfer, RejectReason, TicketB
 
 try:
     from . import grpc_transport  # noqa: F401  (registers "grpc")
-except ImportError as exc:        # a trimmed install (a lent GPU image) without grpcio: NIXL only
-    register_unavailable("grpc", f"grpcio does not import here ({exc})")
+except (ImportError, RuntimeError) as exc:   # no grpcio, or one older than the generated
+    # code needs (its check raises RuntimeError): a trimmed install, e.g. a lent GPU image
+    register_unavailable("grpc", f"grpcio does not load here ({exc})")
 
 __all__ = [
     "KVTransport", "TransferHandle", "TransferState", "TransferStatus",
