@@ -32,7 +32,7 @@ from pathlib import Path
 
 CSRC_DIR = Path(__file__).resolve().with_name("csrc")
 SOURCES = ("binding.cpp", "decode.cu", "store.cu")       # translation units
-HEADERS = ("params.cuh", "tile.cuh", "pipe.cuh", "fp8.cuh", "wgmma.cuh", "store8.cuh")
+HEADERS = ("params.cuh", "tile.cuh", "pipe.cuh", "fp8.cuh", "store8.cuh")
 FUNCTIONS = ("decode", "occupancy", "store")              # what binding.cpp exports
 CFLAGS = ("-O2",)
 CUDA_CFLAGS = ("-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a")

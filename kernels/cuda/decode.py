@@ -34,17 +34,14 @@ MIN_TILES_PER_WARP = 4
 # cap (CTAs per SM): 4 -> 128 registers. 10404 and 4 are the dequant-0 references of 10424
 # and 24 (same loops, one LOP3 more per 8 codes). 10425 and 10426: the register-cap
 # route (5 / 6 CTAs per SM: 96 / 80 registers, 148 / 312 bytes spilled, 20 / 24 warps per SM).
-# 30424 and 40423: the scores by wgmma over K dequantized into shared memory (csrc/wgmma.cuh),
-# one tile per step (4 CTAs per SM) and two (3 CTAs per SM: the A tiles take 32 KB).
-VARIANTS = (10424, 24, 10404, 4, 10425, 10426, 30424, 40423)
+VARIANTS = (10424, 24, 10404, 4, 10425, 10426)
 # FP8 E4M3 pages (100000 + the same fields; cp.async rings only): 110602 two tiles per step,
 # 6 stages (two pairs in flight), 2 CTAs per SM; 110403 / 110404 4 stages, 168 / 128-register
 # caps; 100304 / 100204 one tile per step, 3 / 2 stages.
 FP8_VARIANTS = (110602, 110403, 110404, 100304, 100204)
 # Diagnostics for the benchmark only (wrong results): 1004 loads without compute, 2004
-# computes on register data without loads, 43423 40423 with the wgmma descriptor's LBO and SBO
-# exchanged (checks which reading of the descriptor the hardware follows).
-DIAG_VARIANTS = (1004, 2004, 43423)
+# computes on register data without loads.
+DIAG_VARIANTS = (1004, 2004)
 DEFAULT_VARIANT = 10424  # fastest on an H200 in every benchmark case (docs/benchmarks.md)
 DEFAULT_FP8_VARIANT = 110602  # equal to 110403 in sum over the benchmark cases, 6% faster
                                # at 64 x 4096, 2% slower at 32 x 32768 (H200)

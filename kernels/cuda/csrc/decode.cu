@@ -35,7 +35,6 @@
 //   pipe.cuh and fp8.cuh); FP8 converts with one cvt.rn.f16x2.e4m3x2 per 2 values and has
 //   no block scales.
 #include "fp8.cuh"
-#include "wgmma.cuh"
 
 namespace nibble_nvfp4 {
 
@@ -110,14 +109,7 @@ __global__ void __launch_bounds__(128, MINB) decode_kernel(const Params p) {
   const float qk = p.qk_scale * __ldg(p.k_gs);
   typedef typename std::conditional<FMT == 1, Fp8Fmt, Nvfp4Fmt<DQ>>::type F;
   uint8_t* ring = smem + warp * (PIPE > 0 ? PIPE : 1) * F::kStage;
-  if constexpr (PAIR >= 3 && FMT == 0 && PIPE > 0) {     // scores by wgmma (wgmma.cuh)
-    constexpr int TPS = PAIR - 2;
-    const uint32_t a_s = static_cast<uint32_t>(__cvta_generic_to_shared(smem)) +
-                         kWarps * PIPE * kStageBytes;
-    const int steps = c * kWarps * per >= n_tiles ? 0 : (per + TPS - 1) / TPS;
-    warpgroup_pipe<DQ, PIPE, TPS, MODE == 3>(p, b, h, seq_len, t_lo, t_hi, steps, lane, warp,
-                                             ring, a_s, a_s + TPS * kATile, qk, st);
-  } else if constexpr (PAIR == 1 && PIPE > 0) {
+  if constexpr (PAIR == 1 && PIPE > 0) {
     warp_pairs_pipe<F, PIPE>(p, b, h, seq_len, t_lo, t_hi, lane, ring, q_loader, qk, st);
   } else {
     uint32_t qf[8][2];
@@ -179,19 +171,16 @@ __global__ void __launch_bounds__(32 * kRedGroups) reduce_kernel(
 }
 
 // variant = 100000 * FMT + 10000 * PAIR + 1000 * MODE + 100 * PIPE + 10 * DQ + MINB:
-// FMT = page format (0 NVFP4, 1 FP8 E4M3), PAIR = 1: two tiles per step, 3 / 4: scores by
-// wgmma over K staged in shared memory, one / two tiles per step, MODE = diagnostic
-// (1 loads only, 2 compute only, 3 wgmma descriptor strides swapped), PIPE = cp.async stages per warp (0: register ping-pong),
+// FMT = page format (0 NVFP4, 1 FP8 E4M3), PAIR = two tiles per step, MODE = diagnostic
+// (1 loads only, 2 compute only), PIPE = cp.async stages per warp (0: register ping-pong),
 // DQ = dequant form, MINB = CTAs per SM for the register cap.
 #define NIBBLE_VARIANTS(X) X(4, 0, 0, 0, 0, 0) X(4, 2, 0, 0, 0, 0) X(4, 0, 4, 0, 1, 0)         \
   X(4, 2, 4, 0, 1, 0) X(4, 0, 0, 1, 0, 0) X(4, 0, 0, 2, 0, 0) X(3, 0, 4, 0, 1, 1)              \
   X(4, 0, 4, 0, 1, 1) X(4, 0, 3, 0, 0, 1) X(4, 0, 2, 0, 0, 1) X(2, 0, 6, 0, 1, 1)              \
-  X(5, 2, 4, 0, 1, 0) X(6, 2, 4, 0, 1, 0) X(4, 2, 4, 0, 3, 0) X(3, 2, 4, 0, 4, 0)              \
-  X(3, 2, 4, 3, 4, 0)
+  X(5, 2, 4, 0, 1, 0) X(6, 2, 4, 0, 1, 0)
 
-static int smem_bytes(int pipe, int fmt, int pair) {
-  int ring = kWarps * pipe * (fmt == 1 ? kStage8 : kStageBytes);
-  if (pair >= 3) ring += (pair - 2) * kATile + kQSmem;      // A tiles and Q^T (wgmma.cuh)
+static int smem_bytes(int pipe, int fmt) {
+  const int ring = kWarps * pipe * (fmt == 1 ? kStage8 : kStageBytes);
   return ring > kCombineBytes ? ring : kCombineBytes;
 }
 
@@ -200,7 +189,7 @@ static const void* kernel_of(int variant, int* smem) {
 #define NIBBLE_FN(M, Q, P, D, R, F)                                                        \
   if (variant == 100000 * F + 10000 * R + 1000 * D + 100 * P + 10 * Q + M) {                \
     static bool ready = false;                                                              \
-    *smem = smem_bytes(P, F, R);                                                               \
+    *smem = smem_bytes(P, F);                                                               \
     if (!ready) {                                                                           \
       cudaFuncSetAttribute(decode_kernel<M, Q, P, D, R, F>,                                 \
                            cudaFuncAttributeMaxDynamicSharedMemorySize, *smem);             \

@@ -273,11 +273,12 @@ __device__ __forceinline__ void lazy_rescale(float mx0, float mx1, State& st) {
   }
 }
 
-// Softmax step and O^T += V^T P^T of one tile from its raw scores s (S^T fragment).
 template <int DQ, bool MASK>
-__device__ __forceinline__ void scores_pv(const float (&s)[4], const Tile& x, float qk, int rem,
-                                          int lane, State& st) {
+__device__ __forceinline__ void compute_tile(const Tile& x, const uint32_t (&qf)[8][2],
+                                             float qk, int rem, int lane, State& st) {
   const int g = lane >> 2, t = lane & 3;
+  float s[4];
+  tile_scores<DQ>(x, qf, s);
   float x0 = s[0] * qk, x1 = s[1] * qk, x2 = s[2] * qk, x3 = s[3] * qk;
   uint32_t vm0 = 0xffffffffu, vm1 = 0xffffffffu;
   if (MASK) {
@@ -295,14 +296,6 @@ __device__ __forceinline__ void scores_pv(const float (&s)[4], const Tile& x, fl
   st.l1 += p1 + p3;
   // P as 8x8 fp16 blocks (tokens 0-7, 8-15) x heads, transposed into P^T B fragments.
   tile_pv<DQ>(x, movm_trans(pack_h2(p0, p1)), movm_trans(pack_h2(p2, p3)), vm0, vm1, st);
-}
-
-template <int DQ, bool MASK>
-__device__ __forceinline__ void compute_tile(const Tile& x, const uint32_t (&qf)[8][2],
-                                             float qk, int rem, int lane, State& st) {
-  float s[4];
-  tile_scores<DQ>(x, qf, s);
-  scores_pv<DQ, MASK>(s, x, qk, rem, lane, st);
 }
 
 // Query fragment: head h*G + g (zero when g >= G), head-dim order of the K fragments.
