@@ -29,6 +29,7 @@ from torch.nn.attention.bias import causal_lower_right
 from .errors import KernelInputError
 from .ragged_cudnn import (KEY_BLOCK, Q_BUCKET, cudnn_available, cudnn_dense,
                            split_attention)
+from .triton.lse_merge import merge_lse_into
 
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
 RAGGED_KERNELS = ("auto", "fa2", "cudnn")    # the choices of --prefill-attention-kernel
@@ -120,7 +121,7 @@ def ragged_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         spans = _spans(cu_q, cu_k)
     if route == "cudnn":           # contiguous: one stride pattern, so cached cuDNN plans apply
         return split_attention(q.contiguous(), k.contiguous(), v.contiguous(), spans, scale,
-                               cudnn_dense, Q_BUCKET, KEY_BLOCK)
+                               cudnn_dense, Q_BUCKET, KEY_BLOCK, merge=merge_lse_into)
     out = torch.empty_like(q)
     group = q.shape[1] // k.shape[1]
     for qs, n, ks, kn in spans:

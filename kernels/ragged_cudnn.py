@@ -22,6 +22,10 @@ import torch
 DenseFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool, float],
                    tuple[torch.Tensor, torch.Tensor]]
 
+# merge(out [n, Hq, D], o1, lse1, o2, lse2): the two parts' first n rows merged into out.
+MergeFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+                   torch.Tensor]
+
 CUDNN_MIN_VERSION = 90000     # cuDNN 9: the SDPA graphs torch builds
 # Shape buckets of the server's calls (split_attention): query rows round up to Q_BUCKET,
 # the unmasked prefix part covers whole KEY_BLOCKs (the rest joins the causal square).
@@ -44,9 +48,21 @@ def merge_by_lse(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: t
     return out.to(o1.dtype)
 
 
+def merge_into(out: torch.Tensor, o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor,
+               lse2: torch.Tensor) -> torch.Tensor:
+    """:func:`merge_by_lse` of the first ``n`` rows written into ``out [n, Hq, D]``
+    (``o1``/``o2`` ``[1, Hq, >= n, D]``, ``lse1``/``lse2`` fp32 ``[1, Hq, >= n]``); the torch
+    form of :func:`nibble.kernels.triton.lse_merge.merge_lse_into`."""
+    n = out.shape[0]
+    o = merge_by_lse(o1[:, :, :n], lse1[..., :n], o2[:, :, :n], lse2[..., :n])
+    out.copy_(o.squeeze(0).transpose(0, 1))
+    return out
+
+
 def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     spans: list[tuple[int, int, int, int]], scale: float, dense: DenseFn,
-                    q_bucket: int = 1, key_block: int = 1) -> torch.Tensor:
+                    q_bucket: int = 1, key_block: int = 1, merge: MergeFn = merge_into
+                    ) -> torch.Tensor:
     """Ragged bottom-right causal attention from two ``dense`` calls per sequence -> ``[Tq, Hq, D]``.
 
     Sequence ``b``'s ``c`` prefix keys split at ``p = c - c % key_block``: its queries see
@@ -56,6 +72,8 @@ def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     square's keys, are zero-padded at the end to multiples of ``q_bucket`` (padded keys
     are seen by padded queries only). The buckets bound the distinct shapes, and so the
     execution plans cuDNN builds, 65-130 ms each on the H200 (:func:`warm_plans`).
+    ``merge`` combines the two parts into the output rows (:func:`merge_into`, or the fused
+    Triton kernel on a GPU).
     """
     out = torch.empty_like(q)
     for qs, n, ks, kn in spans:
@@ -70,12 +88,12 @@ def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       ((qq, r), (k[ks + p:ks + kn], 0), (v[ks + p:ks + kn], 0)))
         o, lse = dense(sq, sk, sv, True, scale)
         o, lse = o[:, :, r:r + n], lse[:, :, r:r + n]
-        if p:
-            pq = _heads_first(_padded(qq, 0, _round_up(n, q_bucket)))
-            op, lsep = dense(pq, _heads_first(k[ks:ks + p]), _heads_first(v[ks:ks + p]), False,
-                             scale)
-            o = merge_by_lse(op[:, :, :n], lsep[:, :, :n], o, lse)
-        out[qs:qs + n] = o.squeeze(0).transpose(0, 1)
+        if not p:
+            out[qs:qs + n] = o.squeeze(0).transpose(0, 1)
+            continue
+        pq = _heads_first(_padded(qq, 0, _round_up(n, q_bucket)))
+        op, lsep = dense(pq, _heads_first(k[ks:ks + p]), _heads_first(v[ks:ks + p]), False, scale)
+        merge(out[qs:qs + n], op, lsep, o, lse)
     return out
 
 

@@ -6,7 +6,8 @@ recipe's ``k' = (k - c) @ M`` and ``q' = q @ M^-T`` (``recipes.RecipeParams``;
 ``v - v_shift`` too where the recipe centers V), the quantization of K and V
 (NVFP4, FP8 E4M3 or BF16 pages, the same bytes as :func:`~.store.store_kv`
 would write from the transformed values) and their store into the pages. It
-returns q', which the decode kernel reads.
+returns q', which the attention reads, and optionally writes K' and V' (a prefill's
+fresh keys and values) into ``k_out``/``v_out``.
 
 Work is split in halves of a head (``lo`` = channels ``[0, D/2)``, ``hi`` = ``[D/2, D)``):
 RoPE pairs channel ``i`` with ``i + D/2``, so each half is computed from the two
@@ -118,7 +119,7 @@ def _store_head(lo, hi, d_ptr, s_ptr, gs_ptr, page, off, h, rmask, D_P, D_H, D_T
 @triton.jit(do_not_specialize=["n_tok"])
 def _qkv_kernel(qkv_ptr, cos_ptr, sin_ptr, slot_ptr, q_out_ptr, qn_ptr, kn_ptr, eps, w_off,
                 kshift_ptr, kmap_ptr, qmap_ptr, vshift_ptr, kd_ptr, ks_ptr, vd_ptr, vs_ptr,
-                kgs_ptr, vgs_ptr, n_tok, SX: tl.constexpr, SC: tl.constexpr,
+                kgs_ptr, vgs_ptr, kout_ptr, vout_ptr, n_tok, SX: tl.constexpr, SC: tl.constexpr,
                 SS: tl.constexpr, SO_T: tl.constexpr, SO_H: tl.constexpr,
                 KD_P: tl.constexpr, KD_H: tl.constexpr, KD_T: tl.constexpr,
                 KS_P: tl.constexpr, KS_H: tl.constexpr, KS_T: tl.constexpr,
@@ -128,8 +129,10 @@ def _qkv_kernel(qkv_ptr, cos_ptr, sin_ptr, slot_ptr, q_out_ptr, qn_ptr, kn_ptr, 
                 HAS_QN: tl.constexpr, HAS_KN: tl.constexpr, HAS_KSHIFT: tl.constexpr,
                 HAS_KMAP: tl.constexpr, HAS_QMAP: tl.constexpr, HAS_VSHIFT: tl.constexpr,
                 K_FMT: tl.constexpr, V_FMT: tl.constexpr, HW: tl.constexpr,
-                DOT_BF16: tl.constexpr):
-    """Program ``(tile, h, z)``: query head ``h * G + z`` (``z < G``), or K and V of head ``h``."""
+                DOT_BF16: tl.constexpr, HAS_KV_OUT: tl.constexpr, SKO_T: tl.constexpr,
+                SKO_H: tl.constexpr, SVO_T: tl.constexpr, SVO_H: tl.constexpr):
+    """Program ``(tile, h, z)``: query head ``h * G + z`` (``z < G``), or K and V of head ``h``
+    (and, with ``HAS_KV_OUT``, their transformed rows into ``kout``/``vout``)."""
     D = 2 * HALF
     G = HQ // H
     h = tl.program_id(1)
@@ -162,6 +165,14 @@ def _qkv_kernel(qkv_ptr, cos_ptr, sin_ptr, slot_ptr, q_out_ptr, qn_ptr, kn_ptr, 
         if HAS_VSHIFT:
             c0, c1 = _vec_halves(vshift_ptr + h * D, HALF)
             v_lo, v_hi = v_lo - c0, v_hi - c1
+        if HAS_KV_OUT:
+            col = tl.arange(0, HALF)[None, :]
+            ko = kout_ptr + (t * SKO_T + h * SKO_H)[:, None] + col
+            vo = vout_ptr + (t * SVO_T + h * SVO_H)[:, None] + col
+            tl.store(ko, lo.to(kout_ptr.dtype.element_ty), mask=tmask[:, None])
+            tl.store(ko + HALF, hi.to(kout_ptr.dtype.element_ty), mask=tmask[:, None])
+            tl.store(vo, v_lo.to(vout_ptr.dtype.element_ty), mask=tmask[:, None])
+            tl.store(vo + HALF, v_hi.to(vout_ptr.dtype.element_ty), mask=tmask[:, None])
         slot = tl.load(slot_ptr + t, mask=tmask, other=-1)
         rmask = tmask & (slot >= 0)
         slot = tl.maximum(slot, 0).to(tl.uint32)
@@ -222,7 +233,8 @@ def qkv_rope_store(layout: PageLayout, pages: LayerPages, qkv: torch.Tensor, num
                    eps: float = 1e-6, norm_offset: float = 0.0,
                    k_shift: torch.Tensor | None = None, k_map: torch.Tensor | None = None,
                    q_map: torch.Tensor | None = None, v_shift: torch.Tensor | None = None,
-                   *, out: torch.Tensor | None = None) -> torch.Tensor:
+                   *, out: torch.Tensor | None = None, k_out: torch.Tensor | None = None,
+                   v_out: torch.Tensor | None = None) -> torch.Tensor:
     """QK-norm, RoPE, the K recipe and the K/V store from ``qkv`` in one launch; returns q'.
 
     Args:
@@ -239,6 +251,9 @@ def qkv_rope_store(layout: PageLayout, pages: LayerPages, qkv: torch.Tensor, num
         k_shift, v_shift: ``[H, D]`` or None; k_map, q_map: ``[H, D, D]`` (row-major, rows =
             input channels) or None: one layer's K recipe (``RecipeParams``), any float dtype.
         out: optional ``[T, Hq, D]`` float output (unit inner stride); default ``qkv.dtype``.
+        k_out, v_out: optional ``[T, H, D]`` float tensors (unit inner stride, both or
+            neither) that also receive K' and ``v - v_shift`` as stored (before quantization):
+            the fresh keys and values of a prefill's attention.
     Returns:
         ``out``: q' = ``rope(norm(q)) @ q_map``. K' = ``(rope(norm(k)) - k_shift) @ k_map`` and
         ``v - v_shift`` are quantized into the pages (see :func:`~.store.store_kv`).
@@ -262,18 +277,32 @@ def qkv_rope_store(layout: PageLayout, pages: LayerPages, qkv: torch.Tensor, num
           or out.device != device or out.stride(2) != 1):
         raise KernelInputError(f"out must be a float [{t}, {num_heads}, {d}] on {device} with "
                                f"unit inner stride, got {out.dtype} {tuple(out.shape)}")
+    _check_kv_out(k_out, v_out, (t, h, d), device)
     if t == 0:
         return out
     _launch(layout, pages, qkv, num_heads, cos, sin, slot_mapping, k_scale, v_scale,
-            (q_norm, k_norm, k_shift, k_map, q_map, v_shift), eps, norm_offset, out)
+            (q_norm, k_norm, k_shift, k_map, q_map, v_shift), eps, norm_offset, out,
+            (k_out, v_out))
     return out
+
+
+def _check_kv_out(k_out: torch.Tensor | None, v_out: torch.Tensor | None,
+                  shape: tuple[int, int, int], device: torch.device) -> None:
+    if (k_out is None) != (v_out is None):
+        raise KernelInputError("k_out and v_out go together (both or neither)")
+    for name, x in (("k_out", k_out), ("v_out", v_out)):
+        if x is not None and (tuple(x.shape) != shape or x.dtype not in FLOAT_DTYPES
+                              or x.device != device or x.stride(2) != 1):
+            raise KernelInputError(f"{name} must be a float {list(shape)} on {device} with unit "
+                                   f"inner stride, got {x.dtype} {tuple(x.shape)} on {x.device}")
 
 
 def _launch(layout: PageLayout, pages: LayerPages, qkv: torch.Tensor, num_heads: int,
             cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, k_scale, v_scale,
-            params: tuple, eps: float, norm_offset: float, out: torch.Tensor) -> None:
+            params: tuple, eps: float, norm_offset: float, out: torch.Tensor,
+            kv_out: tuple) -> None:
     """Launch :func:`_qkv_kernel` on checked arguments (``params`` = q_norm, k_norm,
-    k_shift, k_map, q_map, v_shift, each a tensor or None)."""
+    k_shift, k_map, q_map, v_shift, each a tensor or None; ``kv_out`` = k_out, v_out)."""
     device = qkv.device
     h, d = layout.num_kv_heads, layout.head_dim
     kf, vf = element_codes(layout)
@@ -288,11 +317,13 @@ def _launch(layout: PageLayout, pages: LayerPages, qkv: torch.Tensor, num_heads:
     ptrs = [p if p is not None else qkv for p in params]   # unused pointers: any tensor
     g = num_heads // h
     grid = (triton.cdiv(qkv.shape[0], TOKENS), h, g + 1)
+    ko, vo = kv_out if kv_out[0] is not None else (out, out)   # unused pointers: any tensor
     _qkv_kernel[grid](
         qkv, cos, sin, slots, out, ptrs[0], ptrs[1], float(eps), float(norm_offset), ptrs[2],
         ptrs[3], ptrs[4], ptrs[5], kd, ks, vd, vs, scale_tensor(k_scale, device, "k_scale"),
-        scale_tensor(v_scale, device, "v_scale"), qkv.shape[0], SX=qkv.stride(0),
+        scale_tensor(v_scale, device, "v_scale"), ko, vo, qkv.shape[0], SX=qkv.stride(0),
         SC=cos.stride(0), SS=sin.stride(0), SO_T=out.stride(0), SO_H=out.stride(1),
         **dict(zip(names, strides)), HQ=num_heads, H=h, HALF=d // 2, PAGE=layout.page_size,
         **has, K_FMT=kf, V_FMT=vf, HW=hw_fp8(device), DOT_BF16=device.type == "cuda",
-        num_warps=NUM_WARPS, enable_fp_fusion=False)
+        HAS_KV_OUT=kv_out[0] is not None, SKO_T=ko.stride(0), SKO_H=ko.stride(1),
+        SVO_T=vo.stride(0), SVO_H=vo.stride(1), num_warps=NUM_WARPS, enable_fp_fusion=False)

@@ -12,10 +12,11 @@ lengths, the extend masks) and allocates the extend workspace; every layer's
   chunks' fresh K/V are copied after each prefix, then one ragged causal attention
   (:func:`~nibble.kernels.ragged.ragged_causal_attention`: FlashAttention varlen on
   CUDA, bottom-right causal, grouped KV heads, no mask) covers every sequence;
-* **fused decode step** (:meth:`~TritonAttentionBackend.forward_fused`, where the model
-  hands over the QKV projection's output and every sequence of the step decodes): one
-  :func:`~nibble.kernels.triton.qkv_rope_store` launch does QK-norm, RoPE, the K recipe
-  and the store, then the decode kernel below (``--disable-fused-kernels`` turns it off);
+* **fused step** (:meth:`~TritonAttentionBackend.forward_fused`, where the model hands
+  over the QKV projection's output): one :func:`~nibble.kernels.triton.qkv_rope_store`
+  launch does QK-norm, RoPE, the K recipe and the store, and for prefill and extend rows
+  also writes the transformed fresh K/V that the ragged attention reads; then the
+  attention below (``--disable-fused-kernels`` turns it off);
 * **decode**: one fused split-K paged-decode launch (plus its reduce) per layer
   for all decode sequences: the register-level Hopper kernel
   :func:`~nibble.kernels.cuda.decode_attention_cuda` where it applies
@@ -279,19 +280,28 @@ class TritonAttentionBackend(AttentionBackend):
 
     def forward_fused(self, layer: int, inp: QKVInput, meta: AttentionMetadata
                       ) -> torch.Tensor | None:
-        """A decode-only step from the QKV output: one launch transforms q, K and V (QK-norm,
-        RoPE, the K recipe) and stores K/V, then the decode kernel; ``[T, Hq, D]``. None for
-        steps with prefill or extend rows, with ``--prefill-kv-dtype fp8_e4m3`` (K/V are
-        stored from FP8 there) or with fused kernels off."""
-        if not (self.fused and self._dec and self._dec_direct and not self.fp8_fresh):
+        """Any step from the QKV output: one launch transforms q, K and V (QK-norm, RoPE, the
+        K recipe) and stores K/V (for prefill and extend rows it also hands back K' and V',
+        the fresh keys of the ragged attention), then the attention; ``[T, Hq, D]``. None
+        with ``--prefill-kv-dtype fp8_e4m3`` (K/V are stored from FP8 there) or with fused
+        kernels off."""
+        if not self.fused or self.fp8_fresh:
             return None
         pages = self.pool.layer(layer)
         ks, vs = self._scales[layer]
+        kv_out = {}
+        if self._ragged is not None:
+            shape = (inp.qkv.shape[0], self.layout.num_kv_heads, self.layout.head_dim)
+            kv_out = {name: torch.empty(shape, dtype=inp.qkv.dtype, device=inp.qkv.device)
+                      for name in ("k_out", "v_out")}
         q = qkv_rope_store(self.layout, pages, inp.qkv, inp.num_heads, inp.cos, inp.sin,
                            self._slots, ks, vs, inp.q_norm, inp.k_norm, inp.eps,
-                           **self._recipe.layer_params(layer, inp.qkv.device))
+                           **self._recipe.layer_params(layer, inp.qkv.device), **kv_out)
         out = torch.empty_like(q)
-        self._decode(pages, q, out, ks, vs)
+        if kv_out:
+            self._prefill_extend(pages, q, kv_out["k_out"], kv_out["v_out"], out, ks, vs)
+        if self._dec:
+            self._decode(pages, q, out, ks, vs)
         return self._recipe.finish(layer, out)
 
     def _prefill_extend(self, pages, q, k, v, out, ks, vs) -> None:

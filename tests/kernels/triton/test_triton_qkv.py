@@ -131,6 +131,38 @@ def test_qkv_matches_reference_gpu(fmt, t, recipe):
     _check(run, 1.5e-2, 0.06 if fmt == "nvfp4" else 0.02, 0.12)
 
 
+@pytest.mark.parametrize("device", [CPU, GPU])
+@pytest.mark.parametrize("v_shift", [True, False])
+def test_kv_out_holds_the_transformed_rows(device, v_shift):
+    """k_out / v_out get K' = (rope(norm(k)) - c) @ M and v - v_shift in their dtype (strided
+    views of a bigger buffer), and the pages get the same bytes as without them."""
+    gen = torch.Generator().manual_seed(11)
+    hq, h, d, t = (32, 8, 128, 70) if device == "cuda" else (4, 2, 64, 19)
+    layout = PageLayout("nvfp4", 2, h, d, 16)
+    npages = -(-t // 16) + 1
+    qkv = (torch.randn(t, (hq + 2 * h) * d, generator=gen) * 2).to(torch.bfloat16)
+    cos, sin = _rope_tables(torch.randint(0, 4000, (t,), generator=gen), d)
+    shift, k_map, q_map = _recipe(h, d, gen)
+    kw = dict(q_norm=torch.rand(d, generator=gen) + 0.5, k_norm=torch.rand(d, generator=gen) + 0.5,
+              eps=1e-6, k_shift=shift, k_map=k_map, q_map=q_map,
+              v_shift=torch.randn(h, d, generator=gen) if v_shift else None)
+    _, k_ref, v_ref = qkv_transform_ref(qkv, hq, h, cos, sin, **kw)
+    slots = torch.randperm(npages * 16, generator=gen)[:t].to(device)
+    dev = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+    args = (qkv.to(device), hq, cos.to(device), sin.to(device), slots, 0.5, 2.0)
+    pools = [layout.allocate(npages, device).zero_() for _ in range(2)]
+    kv = torch.full((t, 2 * h + 3, d), float("nan"), dtype=torch.bfloat16, device=device)
+    k_out, v_out = kv[:, :h], kv[:, h + 3:]
+    q1 = qkv_rope_store(layout, layout.layer_view(pools[0], 1), *args, **dev, k_out=k_out,
+                        v_out=v_out)
+    q0 = qkv_rope_store(layout, layout.layer_view(pools[1], 1), *args, **dev)
+    assert torch.equal(q0, q1) and torch.equal(pools[0], pools[1])
+    assert torch.isnan(kv[:, h:h + 3]).all()                 # the gap between the views
+    tol = 1.5e-2 if device == "cuda" else 1e-2               # bf16 outputs (and MMA operands)
+    for got, ref in ((k_out, k_ref), (v_out, v_ref)):
+        assert float((got.double().cpu() - ref.double()).norm() / ref.double().norm()) < tol
+
+
 def test_reference_recipe_keeps_scores_up_to_a_constant_per_query():
     """q'.k' = q.k - q.c for every key: softmax sees the same attention."""
     gen = torch.Generator().manual_seed(3)
@@ -158,6 +190,11 @@ def test_checks():
         qkv_rope_store(layout, pages, torch.randn(3, 7 * 64), 4, cos, sin, slots)
     with pytest.raises(KernelInputError, match="multiple of the 2 KV heads"):
         qkv_rope_store(layout, pages, torch.randn(3, 7 * 64), 3, cos, sin, slots)
+    with pytest.raises(KernelInputError, match="both or neither"):
+        qkv_rope_store(layout, pages, qkv, 4, cos, sin, slots, k_out=torch.empty(3, 2, 64))
+    with pytest.raises(KernelInputError, match="v_out must be"):
+        qkv_rope_store(layout, pages, qkv, 4, cos, sin, slots, k_out=torch.empty(3, 2, 64),
+                       v_out=torch.empty(3, 4, 64))
     with pytest.raises(KernelInputError, match="cos must be"):
         qkv_rope_store(layout, pages, qkv, 4, torch.ones(3, 32), sin, slots)
     with pytest.raises(KernelInputError, match="k_map must be"):
