@@ -1,7 +1,9 @@
 """The fused decoder-layer kernels against the torch ops they replace (CUDA, graph replay).
 
 Per decode step of the Qwen3-8B shape (hidden 4096, MLP 12288, 32 query / 8 KV heads,
-head_dim 128, bf16) at batch sizes 16 and 64, each variant captured in a CUDA graph
+head_dim 128, bf16) at batch sizes 16 and 64 (and prefill sizes with ``--batch``: from
+``qkv.LONG_INPUT`` tokens the qkv kernel's long-input tiles are timed against its 16-token
+ones as ``fused_t16``), each variant captured in a CUDA graph
 and timed over replays (median, ``triton.testing.do_bench_cudagraph``):
 
 * ``qkv``: QK-norm + RoPE + the K recipe (``(k - c) @ M``, ``q @ M^-T``) + the NVFP4
@@ -26,6 +28,7 @@ from nibble.kernels import PageLayout
 from nibble.kernels.recipes import RecipeParams
 from nibble.kernels.formats import DEFAULT_K_RECIPE
 from nibble.kernels.triton import add_rms_norm, qkv_rope_store, silu_mul, store_kv
+from nibble.kernels.triton.qkv import LONG_INPUT
 from nibble.services.models.llama import rms_norm
 from nibble.services.models.rope import apply_rope
 
@@ -60,10 +63,14 @@ def _qkv_cases(b: int, fmt: str, dev) -> dict:
         store_kv(layout, pages, k, v, slots, gs, gs)
         return q
 
-    def fused():
+    def fused(tiles=None):
         return qkv_rope_store(layout, pages, qkv, HQ, cos, sin, slots, gs, gs, qn, kn, EPS,
-                              k_shift=p32.k_shift[0], k_map=p32.k_map[0], q_map=p32.q_map[0])
-    return {"unfused": unfused, "fused": fused}
+                              k_shift=p32.k_shift[0], k_map=p32.k_map[0], q_map=p32.q_map[0],
+                              tokens_per_program=tiles)
+    cases = {"unfused": unfused, "fused": fused}
+    if b >= LONG_INPUT:          # the long-input tiles against the decode-sized ones
+        cases["fused_t16"] = lambda: fused(16)
+    return cases
 
 
 def _elementwise_cases(b: int, dev) -> dict:
@@ -98,8 +105,10 @@ def main(argv: list[str] | None = None) -> None:
         for name, variants in groups.items():
             us = {k: _time(fn) for k, fn in variants.items()}
             rows.append({"batch": b, "op": name, **{f"{k}_us": v for k, v in us.items()}})
+            extra = "".join(f"   {k} {v:.1f} us" for k, v in us.items()
+                            if k not in ("unfused", "fused"))
             print(f"B={b:<3} {name:<14} unfused {us['unfused']:7.1f} us   fused "
-                  f"{us['fused']:6.1f} us   x{us['unfused'] / us['fused']:.1f}")
+                  f"{us['fused']:6.1f} us   x{us['unfused'] / us['fused']:.1f}{extra}")
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=1))

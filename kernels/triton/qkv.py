@@ -34,13 +34,18 @@ from ._common import (FLOAT_DTYPES, check_int_vector, check_pages, element_codes
                       scale_tensor, typed_data)
 from .store import _store_rows
 
-TOKENS = 16          # tokens per program (the MMA's M dimension)
-NUM_WARPS = 4
+TOKENS = 16          # tokens per program for short inputs (the MMA's M dimension)
+# Long inputs (prefill chunks) take more tokens per program: every program loads its head's
+# D x D map (64 KB in fp32 at D 128), so 16-token programs re-read it from L2 once per 16
+# tokens; (tokens per program, warps) by the input's token count.
+LONG_INPUT = 512
+TILE_CHOICES = {16: 4, 32: 4, 64: 8}
+LONG_TOKENS = 64
 
 
 @triton.jit
 def _load_halves(ptr, row, rmask, HALF: tl.constexpr):
-    """fp32 ``(lo, hi)`` ``[TOKENS, HALF]`` of rows starting at offsets ``row``."""
+    """fp32 ``(lo, hi)`` ``[BT, HALF]`` of rows starting at offsets ``row``."""
     col = tl.arange(0, HALF)[None, :]
     p = ptr + row[:, None] + col
     lo = tl.load(p, mask=rmask[:, None], other=0.0).to(tl.float32)
@@ -93,7 +98,7 @@ def _map(lo, hi, m_ptr, HALF: tl.constexpr, DOT_BF16: tl.constexpr):
 @triton.jit
 def _store_half(x, d_ptr, drow, s_ptr, srow, gs_ptr, rmask, HALF: tl.constexpr,
                 FMT: tl.constexpr, HW: tl.constexpr):
-    """Quantize and store one half-head ``x [TOKENS, HALF]`` at the row offsets given."""
+    """Quantize and store one half-head ``x [BT, HALF]`` at the row offsets given."""
     if FMT == 2:
         even, odd = tl.split(tl.reshape(x, [x.shape[0], HALF // 16, 8, 2]))
         _store_rows((even, odd), d_ptr, drow, s_ptr, srow, 1, gs_ptr, rmask, HALF, FMT, HW)
@@ -130,14 +135,15 @@ def _qkv_kernel(qkv_ptr, cos_ptr, sin_ptr, slot_ptr, q_out_ptr, qn_ptr, kn_ptr, 
                 HAS_KMAP: tl.constexpr, HAS_QMAP: tl.constexpr, HAS_VSHIFT: tl.constexpr,
                 K_FMT: tl.constexpr, V_FMT: tl.constexpr, HW: tl.constexpr,
                 DOT_BF16: tl.constexpr, HAS_KV_OUT: tl.constexpr, SKO_T: tl.constexpr,
-                SKO_H: tl.constexpr, SVO_T: tl.constexpr, SVO_H: tl.constexpr):
-    """Program ``(tile, h, z)``: query head ``h * G + z`` (``z < G``), or K and V of head ``h``
+                SKO_H: tl.constexpr, SVO_T: tl.constexpr, SVO_H: tl.constexpr,
+                BT: tl.constexpr):
+    """Program ``(tile of BT tokens, h, z)``: query head ``h * G + z`` (``z < G``), or K and V of head ``h``
     (and, with ``HAS_KV_OUT``, their transformed rows into ``kout``/``vout``)."""
     D = 2 * HALF
     G = HQ // H
     h = tl.program_id(1)
     z = tl.program_id(2)
-    t = tl.program_id(0) * 16 + tl.arange(0, 16)
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
     tmask = t < n_tok
     t = t.to(tl.int64)
     c_lo, c_hi = _load_halves(cos_ptr, t * SC, tmask, HALF)
@@ -234,7 +240,8 @@ def qkv_rope_store(layout: PageLayout, pages: LayerPages, qkv: torch.Tensor, num
                    k_shift: torch.Tensor | None = None, k_map: torch.Tensor | None = None,
                    q_map: torch.Tensor | None = None, v_shift: torch.Tensor | None = None,
                    *, out: torch.Tensor | None = None, k_out: torch.Tensor | None = None,
-                   v_out: torch.Tensor | None = None) -> torch.Tensor:
+                   v_out: torch.Tensor | None = None,
+                   tokens_per_program: int | None = None) -> torch.Tensor:
     """QK-norm, RoPE, the K recipe and the K/V store from ``qkv`` in one launch; returns q'.
 
     Args:
@@ -254,6 +261,8 @@ def qkv_rope_store(layout: PageLayout, pages: LayerPages, qkv: torch.Tensor, num
         k_out, v_out: optional ``[T, H, D]`` float tensors (unit inner stride, both or
             neither) that also receive K' and ``v - v_shift`` as stored (before quantization):
             the fresh keys and values of a prefill's attention.
+        tokens_per_program: 16, 32 or 64 (benchmarks); default 16 below ``LONG_INPUT`` tokens,
+            ``LONG_TOKENS`` from there.
     Returns:
         ``out``: q' = ``rope(norm(q)) @ q_map``. K' = ``(rope(norm(k)) - k_shift) @ k_map`` and
         ``v - v_shift`` are quantized into the pages (see :func:`~.store.store_kv`).
@@ -278,11 +287,16 @@ def qkv_rope_store(layout: PageLayout, pages: LayerPages, qkv: torch.Tensor, num
         raise KernelInputError(f"out must be a float [{t}, {num_heads}, {d}] on {device} with "
                                f"unit inner stride, got {out.dtype} {tuple(out.shape)}")
     _check_kv_out(k_out, v_out, (t, h, d), device)
+    if tokens_per_program is None:
+        tokens_per_program = TOKENS if t < LONG_INPUT else LONG_TOKENS
+    elif tokens_per_program not in TILE_CHOICES:
+        raise KernelInputError(f"tokens_per_program must be one of {sorted(TILE_CHOICES)}, got "
+                               f"{tokens_per_program}")
     if t == 0:
         return out
     _launch(layout, pages, qkv, num_heads, cos, sin, slot_mapping, k_scale, v_scale,
             (q_norm, k_norm, k_shift, k_map, q_map, v_shift), eps, norm_offset, out,
-            (k_out, v_out))
+            (k_out, v_out), tokens_per_program)
     return out
 
 
@@ -300,7 +314,7 @@ def _check_kv_out(k_out: torch.Tensor | None, v_out: torch.Tensor | None,
 def _launch(layout: PageLayout, pages: LayerPages, qkv: torch.Tensor, num_heads: int,
             cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, k_scale, v_scale,
             params: tuple, eps: float, norm_offset: float, out: torch.Tensor,
-            kv_out: tuple) -> None:
+            kv_out: tuple, bt: int) -> None:
     """Launch :func:`_qkv_kernel` on checked arguments (``params`` = q_norm, k_norm,
     k_shift, k_map, q_map, v_shift, each a tensor or None; ``kv_out`` = k_out, v_out)."""
     device = qkv.device
@@ -316,7 +330,7 @@ def _launch(layout: PageLayout, pages: LayerPages, qkv: torch.Tensor, num_heads:
            for n, p in zip(("QN", "KN", "KSHIFT", "KMAP", "QMAP", "VSHIFT"), params)}
     ptrs = [p if p is not None else qkv for p in params]   # unused pointers: any tensor
     g = num_heads // h
-    grid = (triton.cdiv(qkv.shape[0], TOKENS), h, g + 1)
+    grid = (triton.cdiv(qkv.shape[0], bt), h, g + 1)
     ko, vo = kv_out if kv_out[0] is not None else (out, out)   # unused pointers: any tensor
     _qkv_kernel[grid](
         qkv, cos, sin, slots, out, ptrs[0], ptrs[1], float(eps), float(norm_offset), ptrs[2],
@@ -326,4 +340,5 @@ def _launch(layout: PageLayout, pages: LayerPages, qkv: torch.Tensor, num_heads:
         **dict(zip(names, strides)), HQ=num_heads, H=h, HALF=d // 2, PAGE=layout.page_size,
         **has, K_FMT=kf, V_FMT=vf, HW=hw_fp8(device), DOT_BF16=device.type == "cuda",
         HAS_KV_OUT=kv_out[0] is not None, SKO_T=ko.stride(0), SKO_H=ko.stride(1),
-        SVO_T=vo.stride(0), SVO_H=vo.stride(1), num_warps=NUM_WARPS, enable_fp_fusion=False)
+        SVO_T=vo.stride(0), SVO_H=vo.stride(1), BT=bt, num_warps=TILE_CHOICES[bt],
+        enable_fp_fusion=False)

@@ -56,7 +56,7 @@ def _blank(layout: PageLayout, pages, slots: torch.Tensor) -> None:
 
 
 def _run(device, fmt="nvfp4", hq=4, h=2, d=64, t=19, page=16, recipe=True, qk_norm=True,
-         v_shift=False, dtype=torch.float32, seed=0):
+         v_shift=False, dtype=torch.float32, seed=0, bt=None):
     gen = torch.Generator().manual_seed(seed)
     layout = PageLayout(fmt, 2, h, d, page)
     npages = -(-t // page) + 2
@@ -79,7 +79,8 @@ def _run(device, fmt="nvfp4", hq=4, h=2, d=64, t=19, page=16, recipe=True, qk_no
     pool_dev = pool.to(device)
     q = qkv_rope_store(layout, layout.layer_view(pool_dev, 1), qkv.to(device), hq,
                        cos.to(device), sin.to(device), slots.to(device), 0.5, 2.0,
-                       **{k: dev(v) if isinstance(v, torch.Tensor) else v for k, v in kw.items()})
+                       **{k: dev(v) if isinstance(v, torch.Tensor) else v for k, v in kw.items()},
+                       tokens_per_program=bt)
     return layout, pool_dev.cpu(), expect, slots, q.cpu(), q_ref
 
 
@@ -115,13 +116,20 @@ def test_qkv_no_qk_norm_group_one_head_dim_32_v_shift(device):
 
 
 @pytest.mark.parametrize("device", [CPU])
+@pytest.mark.parametrize("bt", [32, 64])
+def test_qkv_long_input_tiles(device, bt):
+    """The prefill tiles (more tokens per program), a partial last tile included."""
+    _check(_run(device, t=bt + 19, bt=bt, v_shift=True), 1e-5, 1e-3, 0.002)
+
+
+@pytest.mark.parametrize("device", [CPU])
 def test_qkv_bf16_input_page_64(device):
     _check(_run(device, dtype=torch.bfloat16, page=64, t=17), 1e-2, 1e-3, 0.01)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["nvfp4", "fp8_e4m3"])
-@pytest.mark.parametrize("t", [16, 61, 300])
+@pytest.mark.parametrize("t", [16, 61, 300, 2100])
 @pytest.mark.parametrize("recipe", [True, False])
 def test_qkv_matches_reference_gpu(fmt, t, recipe):
     """Qwen3-8B's attention shape (32 query / 8 KV heads, head_dim 128), bf16 input."""
@@ -190,6 +198,8 @@ def test_checks():
         qkv_rope_store(layout, pages, torch.randn(3, 7 * 64), 4, cos, sin, slots)
     with pytest.raises(KernelInputError, match="multiple of the 2 KV heads"):
         qkv_rope_store(layout, pages, torch.randn(3, 7 * 64), 3, cos, sin, slots)
+    with pytest.raises(KernelInputError, match="tokens_per_program"):
+        qkv_rope_store(layout, pages, qkv, 4, cos, sin, slots, tokens_per_program=8)
     with pytest.raises(KernelInputError, match="both or neither"):
         qkv_rope_store(layout, pages, qkv, 4, cos, sin, slots, k_out=torch.empty(3, 2, 64))
     with pytest.raises(KernelInputError, match="v_out must be"):
