@@ -39,8 +39,12 @@ def gemm_flops_per_token(model: torch.nn.Module) -> float:
 
 
 def run_format(fmt: str, args: argparse.Namespace) -> dict:
-    """One engine, one prompt in chunks: per-chunk times and a profile of the middle chunks."""
-    ns = argparse.Namespace(**{**vars(args), "kv_cache_dtype": fmt})
+    """One engine, one prompt in chunks: per-chunk times and a profile of the middle chunks.
+
+    Overlap scheduling is off: a launched chunk step would finish inside the next call, and
+    each time would belong to the step before it."""
+    ns = argparse.Namespace(**{**vars(args), "kv_cache_dtype": fmt,
+                               "disable_overlap_schedule": True})
     parts = build_parts(config_from_args(ns))
     core, device = parts.core, parts.core.pool.device
     vocab = parts.tokenizer.vocab_size
