@@ -2,8 +2,10 @@
 throughput under chunked prefill is set by what one chunk costs per token).
 
 Builds the engine from the usual ``nibble serve`` flags once per KV format, warms it up, then
-runs one prompt of ``--input-len`` tokens in chunks of ``--chunked-prefill-size`` alone,
-timing every chunk step (device synchronized after each), and profiles ``--profile-chunks``
+runs one prompt of ``--input-len`` tokens in chunks of ``--chunked-prefill-size``, alone or
+beside ``--decode-riders`` requests that decode all the while (each chunk step then a mixed
+step, as in a server), timing every chunk step (device synchronized after each, overlap
+scheduling off), and profiles ``--profile-chunks``
 chunk steps in the middle of the prompt (torch profiler: the top kernels). Prints each
 chunk's ms and us per token and the dense-GEMM TFLOP/s that implies; JSON to ``--out``::
 
@@ -39,7 +41,8 @@ def gemm_flops_per_token(model: torch.nn.Module) -> float:
 
 
 def run_format(fmt: str, args: argparse.Namespace) -> dict:
-    """One engine, one prompt in chunks: per-chunk times and a profile of the middle chunks.
+    """One engine, one prompt in chunks (beside ``--decode-riders`` decoding requests): per-chunk
+    times and a profile of the middle chunks.
 
     Overlap scheduling is off: a launched chunk step would finish inside the next call, and
     each time would belong to the step before it."""
@@ -54,10 +57,13 @@ def run_format(fmt: str, args: argparse.Namespace) -> dict:
     while core.has_unfinished():
         core.step()
     _sync(device)
+    n_chunks = -(-args.input_len // ns.chunked_prefill_size)
+    start_riders(core, args, n_chunks + args.profile_chunks + args.host_profile + 8, gen, vocab)
     core.add_request(GenerateRequest("p", random_prompt(gen, args.input_len, vocab), one))
     chunks, enqueue, profile, host = [], [], None, None
-    mid = max(1, args.input_len // ns.chunked_prefill_size // 2)
-    while core.has_unfinished():
+    mid = max(1, n_chunks // 2)
+    done = False
+    while not done:
         if len(chunks) == mid and profile is None and device.type == "cuda":
             profile = profile_steps(core.step, args.profile_chunks, device)
             continue
@@ -65,10 +71,14 @@ def run_format(fmt: str, args: argparse.Namespace) -> dict:
             host = host_profile(core, args.host_profile, device)
             continue
         t0 = time.perf_counter()
-        core.step()
+        outs = core.step()
         _sync(device)
         chunks.append(1e3 * (time.perf_counter() - t0))
         enqueue.append(1e3 * core.runner.enqueue_s)
+        done = any(o.request_id == "p" and o.finished for o in outs)
+    core.abort_all()
+    while core.has_unfinished():
+        core.step()
     flops = gemm_flops_per_token(core.runner.model)
     per_tok_us = [1e3 * ms / ns.chunked_prefill_size for ms in chunks]
     res = {"format": fmt, "chunk": ns.chunked_prefill_size, "chunk_ms": chunks,
@@ -81,6 +91,19 @@ def run_format(fmt: str, args: argparse.Namespace) -> dict:
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return res
+
+
+def start_riders(core, args: argparse.Namespace, steps: int, gen: torch.Generator,
+                 vocab: int) -> None:
+    """``--decode-riders`` requests of ``--rider-len`` prompt tokens, run until every one
+    decodes, so that each measured chunk step is a mixed step, as in a server; they decode
+    for ``steps`` more steps at most and are aborted after the measured prompt."""
+    riders = {f"rider{i}" for i in range(args.decode_riders)}
+    params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
+    for rid in sorted(riders):
+        core.add_request(GenerateRequest(rid, random_prompt(gen, args.rider_len, vocab), params))
+    while riders:
+        riders -= {o.request_id for o in core.step() if o.new_token_ids}
 
 
 def host_profile(core, steps: int, device: torch.device, top: int = 30) -> dict:
@@ -131,6 +154,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--profile-chunks", type=int, default=2)
     ap.add_argument("--host-profile", type=int, default=0,
                     help="chunk steps to run under cProfile after the profiled ones (0: none)")
+    ap.add_argument("--decode-riders", type=int, default=0,
+                    help="requests decoding beside the measured prompt (mixed steps, as served)")
+    ap.add_argument("--rider-len", type=int, default=4096, help="each rider's prompt tokens")
     ap.add_argument("--out", type=pathlib.Path, default=None)
     args = ap.parse_args(argv)
     results = []
