@@ -22,8 +22,9 @@ output equal within fp32 rounding (a different SDPA call shape and padding).
 Formats outside ``paged_fast.FAST_ELEMENTS`` (the rotated-K research formats)
 decode through the reference path.
 
-Plain NVFP4 K and V (``nvfp4`` and its calibrated recipes) with an fp32 model go one step
-further on a pure decode step where the C kernel builds (``kernels/cpu``): each layer is one
+Plain NVFP4 K and V (``nvfp4`` and its calibrated recipes) go one step further on a pure
+decode step where the C kernel builds (``kernels/cpu``; a bf16 or fp16 model's rows are
+widened to fp32 for the call and the output rounded back): each layer is one
 C call doing the recipe, the store and the attention (and RoPE, through
 :meth:`forward_fused`, which the model tries first), with no workspace at all.
 ``NIBBLE_CPU_KERNELS=0`` turns it off.
@@ -44,6 +45,9 @@ from .torch_backend import TorchAttentionBackend, _first_visible
 
 # Upper bound on one chunk's dequantized K+V workspace.
 WORKSPACE_BYTES = 256 * 2**20
+# Model dtypes whose decode steps the C kernel takes (it computes in fp32; bf16 and fp16 rows
+# are widened for the call).
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @register_backend("torch_fast")
@@ -142,22 +146,25 @@ class FastTorchAttentionBackend(TorchAttentionBackend):
     def forward_fused(self, layer: int, inp: QKVInput, meta: AttentionMetadata
                       ) -> torch.Tensor | None:
         """A pure decode step's attention straight from the QKV output (RoPE in the C call);
-        None where the C kernel does not take this step (QK-norm, a non-fp32 model)."""
+        None where the C kernel does not take this step (QK-norm, a mixed step). A bf16 or
+        fp16 model's rows are widened to fp32 for the call (a few KB per step) and the output
+        rounded back: the C kernel computes in fp32 either way."""
         nd, qkv = self._nd, inp.qkv
         if nd is None or meta is not nd["meta"] or inp.q_norm is not None or \
-                qkv.dtype != torch.float32 or not qkv.is_contiguous():
+                qkv.dtype not in _NATIVE_DTYPES or not qkv.is_contiguous():
             return None
         hq, h, d = inp.num_heads, inp.num_kv_heads, inp.head_dim
-        q, k, v = (x.unflatten(1, (-1, d)) for x in qkv.split([hq * d, h * d, h * d], 1))
-        return self._native(layer, q, k, v, (inp.cos, inp.sin))
+        q, k, v = (x.unflatten(1, (-1, d)) for x in qkv.float().split([hq * d, h * d, h * d], 1))
+        rope = tuple(t.float().contiguous() for t in (inp.cos, inp.sin))
+        return self._native(layer, q, k, v, rope).to(qkv.dtype)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         nd = self._nd
-        if nd is not None and meta is nd["meta"] and q.dtype == torch.float32:
+        if nd is not None and meta is nd["meta"] and q.dtype in _NATIVE_DTYPES:
             f32 = lambda x: x if x.dtype == torch.float32 and x.stride(-1) == 1 and \
                 x.stride(-2) == x.shape[-1] else x.float().contiguous()  # noqa: E731
-            return self._native(layer, q, f32(k), f32(v))
+            return self._native(layer, f32(q), f32(k), f32(v)).to(q.dtype)
         if nd is not None:          # the C kernel declined: plan the torch decode now
             self.plan_torch(meta)
         fd = self._fd
