@@ -100,31 +100,9 @@ def test_fused_entry_declines_qk_norm_and_mixed_steps():
     assert fast.forward_fused(0, inp, mixed) is None
 
 
-def test_engine_tokens_match_torch_decode(monkeypatch):
-    """A whole engine run (prefill, extend, mixed and decode steps): the same greedy tokens
-    and logits within fp32 rounding as with the C kernel off (no recipe: no code flips)."""
-    model = tiny_model(tiny_arch("llama", head_dim=32, num_heads=6), torch.float32)
-    calls = []
-    real = cpu_kernels.DecodeStep.layer
-    monkeypatch.setattr(cpu_kernels.DecodeStep, "layer",
-                        lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    runs = {}
-    for native in (False, True):
-        eng = make_engine_with(model, "torch_fast", kv="nvfp4", chunked_prefill_size=16)
-        eng.runner.backend.native = native
-        runs[native] = run_scenario(eng, mixed_arrivals())
-        assert bool(calls) == native
-    (ref, ref_tok, _), (got, got_tok, paths) = runs[False], runs[True]
-    assert "decode" in paths and got_tok == ref_tok
-    worst = max(float((g - r).abs().max()) for g, r in zip(got, ref))
-    assert worst <= 1e-4, worst
-
-
-def test_bf16_model_decodes_through_the_c_kernel(monkeypatch):
-    """A bf16 model's decode steps take the C kernel too (rows widened to fp32 for the call):
-    greedy tokens as with the C kernel off, logits within bf16 rounding (the torch decode
-    attends in bf16, the C kernel in fp32)."""
-    model = tiny_model(tiny_arch("llama", head_dim=32, num_heads=6), torch.bfloat16)
+def _runs_with_and_without_c(model, monkeypatch) -> tuple[tuple, tuple, list]:
+    """The mixed-arrivals scenario through ``torch_fast`` with the C kernel off, then on:
+    ``(logits, tokens, paths)`` of each, and the q dtype of every C call."""
     calls = []
     real = cpu_kernels.DecodeStep.layer
 
@@ -138,8 +116,27 @@ def test_bf16_model_decodes_through_the_c_kernel(monkeypatch):
         eng.runner.backend.native = native
         runs[native] = run_scenario(eng, mixed_arrivals())
         assert bool(calls) == native
+    return runs[False], runs[True], calls
+
+
+def test_engine_tokens_match_torch_decode(monkeypatch):
+    """A whole engine run (prefill, extend, mixed and decode steps): the same greedy tokens
+    and logits within fp32 rounding as with the C kernel off (no recipe: no code flips)."""
+    model = tiny_model(tiny_arch("llama", head_dim=32, num_heads=6), torch.float32)
+    (ref, ref_tok, _), (got, got_tok, paths), _ = _runs_with_and_without_c(model, monkeypatch)
+    assert "decode" in paths and got_tok == ref_tok
+    worst = max(float((g - r).abs().max()) for g, r in zip(got, ref))
+    assert worst <= 1e-4, worst
+
+
+def test_bf16_model_decodes_through_the_c_kernel(monkeypatch):
+    """A bf16 model's decode steps take the C kernel too (rows widened to fp32 for the call):
+    greedy tokens as with the C kernel off, logits within bf16 rounding (the torch decode
+    attends in bf16, the C kernel in fp32)."""
+    model = tiny_model(tiny_arch("llama", head_dim=32, num_heads=6), torch.bfloat16)
+    (ref, ref_tok, _), (got, got_tok, paths), calls = _runs_with_and_without_c(model,
+                                                                               monkeypatch)
     assert set(calls) == {torch.float32}
-    (ref, ref_tok, _), (got, got_tok, paths) = runs[False], runs[True]
     assert "decode" in paths and got_tok == ref_tok
     assert all(g.dtype == r.dtype for g, r in zip(got, ref))
     worst = max(float((g.float() - r.float()).abs().max()) for g, r in zip(got, ref))
