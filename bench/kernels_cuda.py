@@ -50,6 +50,7 @@ CASES = [(1, 131072, 32, 8, 128, 16), (8, 32768, 32, 8, 128, 16), (64, 4096, 32,
 # docs/benchmarks.md sweep on this device kind.
 TRITON = {"nvfp4": ((64, 4, 2, 1, True), 8), "fp8_e4m3": ((128, 4, 3, 1, True), 4)}
 WAVES = (1, 2)
+COMBINES = ("auto",)   # split combines timed per variant (kernels_cuda_ab --combine fused,kernel)
 
 
 def check(variant: int, s: int, group: int, lens: list[int], seed: int) -> float:
@@ -88,14 +89,15 @@ def time_cuda(layout, view, case: tuple, variants: list[int], read_bw: float) ->
     for var in variants:
         for waves in WAVES:
             ns = cuda_decode.default_num_splits(b, h, ctx, DEV, var, waves)
-            fn = lambda: decode_attention_cuda(  # noqa: E731
-                layout, view, q, tables, lens, d ** -0.5, tk.ONE, tk.ONE, out=out, num_splits=ns,
-                variant=var)
-            sec = tk.graph_time(fn)
-            rows.append({"variant": var, "waves": waves, "splits": ns, "us": sec * 1e6,
-                         "bw": nbytes / sec})
-            print(f"  cuda v{var:<6d} waves={waves} splits={ns:3d} {sec * 1e6:8.1f} us "
-                  f"{100 * nbytes / sec / read_bw:5.1f}%", flush=True)
+            for comb in COMBINES:
+                fn = lambda: decode_attention_cuda(  # noqa: E731
+                    layout, view, q, tables, lens, d ** -0.5, tk.ONE, tk.ONE, out=out,
+                    num_splits=ns, variant=var, combine=comb)
+                sec = tk.graph_time(fn)
+                rows.append({"variant": var, "waves": waves, "splits": ns, "combine": comb,
+                             "us": sec * 1e6, "bw": nbytes / sec})
+                print(f"  cuda v{var:<6d} waves={waves} splits={ns:3d} {comb:6s} "
+                      f"{sec * 1e6:8.1f} us {100 * nbytes / sec / read_bw:5.1f}%", flush=True)
     return rows
 
 
@@ -153,9 +155,10 @@ def diag(read_bw: float) -> list[dict]:
     return rows
 
 
-def profile(variant: int) -> None:
-    """One (8, 32768) decode, three plain launches (for ncu), on pages of the variant's format."""
-    b, ctx, hq, h, d, s = CASES[1]
+def profile(variant: int, case: int = 1) -> None:
+    """One decode of ``CASES[case]``, three plain launches (for ncu), on pages of the variant's
+    format."""
+    b, ctx, hq, h, d, s = CASES[case]
     tables, lens, pages = tk.tables_for([ctx] * b, s, seed=ctx + b)
     fmt = "fp8_e4m3" if variant in FP8_VARIANTS else "nvfp4"
     layout, pool, view = tk.filled_pool(fmt, h, d, s, pages, seed=b)
@@ -205,11 +208,12 @@ def main() -> None:
     ap.add_argument("--sass", action="store_true", help="registers and SASS loop counts")
     ap.add_argument("--diag", action="store_true", help="loads-only / compute-only timings")
     ap.add_argument("--profile", type=int, default=None, help="run one case with VARIANT")
+    ap.add_argument("--profile-case", type=int, default=1, help="index into CASES for --profile")
     args = ap.parse_args()
     out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
     tk.ONE = torch.ones(1, dtype=torch.float32, device=DEV)
     if args.profile is not None:
-        profile(args.profile)
+        profile(args.profile, args.profile_case)
         return
     props = torch.cuda.get_device_properties(DEV)
     res: dict = {"device": props.name, "torch": torch.__version__, "checks": [], "decode": []}

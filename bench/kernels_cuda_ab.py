@@ -9,7 +9,8 @@ and reduce kernels' own durations (torch.profiler, 20 plain calls, one wave of s
 (two trees in one session give a same-machine before/after)::
 
     python3 bench/kernels_cuda_ab.py --tag new --cases 0,1,3 --variants 10424,10404 \\
-        --fp8 110602 --profile 10424 [--sdpa] [--sass]
+        --fp8 110602 --profile 10424,110602 [--combine fused,kernel] \\
+        [--profile-fmts nvfp4,fp8_e4m3] [--sdpa] [--sass]
 
 JSON to ``$OUT/k17_<tag>.json`` (``--sass``: also ``$OUT/sass_<tag>.txt``).
 """
@@ -34,7 +35,7 @@ CHECKS = ((16, 4, [1, 15, 16, 17, 2999, 40000], 1), (64, 4, [63, 3000, 9000], 2)
           (32, 8, [500, 5], 3), (16, 2, [1234], 4))
 
 
-def kernel_times(layout, view, case: tuple, variant: int) -> dict:
+def kernel_times(layout, view, case: tuple, variant: int, combine: str = "kernel") -> dict:
     """Mean device time of the decode and reduce kernels over 20 plain calls."""
     b, ctx, hq, h, d, s = case
     tables, lens, _ = tk.tables_for([ctx] * b, s, seed=ctx + b)
@@ -44,7 +45,7 @@ def kernel_times(layout, view, case: tuple, variant: int) -> dict:
 
     def fn():
         cd.decode_attention_cuda(layout, view, q, tables, lens, d ** -0.5, tk.ONE, tk.ONE,
-                                 out=out, num_splits=ns, variant=variant)
+                                 out=out, num_splits=ns, variant=variant, combine=combine)
     for _ in range(5):
         fn()
     torch.cuda.synchronize()
@@ -56,7 +57,7 @@ def kernel_times(layout, view, case: tuple, variant: int) -> dict:
     for e in prof.key_averages():
         if "decode_kernel" in e.key or "reduce_kernel" in e.key:
             us["decode" if "decode" in e.key else "reduce"] = e.device_time_total / max(e.count, 1)
-    return {"variant": variant, "splits": ns, "us": us}
+    return {"variant": variant, "splits": ns, "combine": combine, "us": us}
 
 
 def main() -> None:
@@ -69,8 +70,11 @@ def main() -> None:
     ap.add_argument("--profile", default="", help="NVFP4 variants for decode/reduce times")
     ap.add_argument("--sass", action="store_true")
     ap.add_argument("--waves", default="1,2")
+    ap.add_argument("--combine", default="auto", help="split combines to time: auto,fused,kernel")
+    ap.add_argument("--profile-fmts", default="nvfp4", help="formats for --profile: nvfp4,fp8_e4m3")
     a = ap.parse_args()
     kc.WAVES = tuple(int(w) for w in a.waves.split(","))
+    kc.COMBINES = tuple(a.combine.split(","))
     out = Path(os.environ.get("OUT", "/tmp"))
     res: dict = {"tag": a.tag, "checks": [], "decode": []}
     tk.ONE = torch.ones(1, dtype=torch.float32, device="cuda")
@@ -97,10 +101,14 @@ def main() -> None:
             row[f"bytes_{fmt}"] = tk.kv_bytes(layout, b * ctx)
             print(f"[{a.tag}] case {case} {fmt}", flush=True)
             row[f"cuda_{fmt}"] = kc.time_cuda(layout, view, case, vs, rb)
-            if a.profile and fmt == "nvfp4" and ci in (0, 1):
+            if a.profile and fmt in a.profile_fmts.split(",") and ci in (0, 1):
                 for var in [int(v) for v in a.profile.split(",")]:
-                    row.setdefault("profile", []).append(kernel_times(layout, view, case, var))
-                    print(f"[{a.tag}] profile {case} {row['profile'][-1]}", flush=True)
+                    if (var in cd.FP8_VARIANTS) != (fmt == "fp8_e4m3"):
+                        continue
+                    for comb in kc.COMBINES:
+                        row.setdefault("profile", []).append(
+                            kernel_times(layout, view, case, var, comb))
+                        print(f"[{a.tag}] profile {case} {row['profile'][-1]}", flush=True)
             del pool, view
             torch.cuda.empty_cache()
         if a.sdpa and s == 16:

@@ -1,8 +1,9 @@
 """NVFP4 and FP8 paged decode attention in CUDA C++ for Hopper (sm_90a), built on first use.
 
 The kernel (``csrc/decode.cu``, design notes at its top) converts E2M1 codes (NVFP4) or
-E4M3 bytes (FP8) in registers and runs ``mma.sync`` fp16 MMAs; a small reduce kernel
-combines the splits. Nothing is compiled at import: :func:`decode_attention_cuda` checks
+E4M3 bytes (FP8) in registers and runs ``mma.sync`` fp16 MMAs; the last CTA of each
+(sequence, KV head) combines the splits (or, with ``combine="kernel"``, a small reduce
+kernel does). Nothing is compiled at import: :func:`decode_attention_cuda` checks
 its arguments first and builds the extension (``torch.utils.cpp_extension.load`` over the
 files in ``csrc/``, see :mod:`._sources`; about 30 s) on its first valid call.
 
@@ -46,6 +47,15 @@ DEFAULT_VARIANT = 10424  # fastest on an H200 in every benchmark case (docs/benc
 DEFAULT_FP8_VARIANT = 110602  # equal to 110403 in sum over the benchmark cases, 6% faster
                                # at 64 x 4096, 2% slower at 32 x 32768 (H200)
 FORMATS = ("nvfp4", "fp8_e4m3")
+# The fused combine counts finished splits in one int32 per (sequence, KV head) of a buffer
+# allocated once per device; larger batches fall back to the reduce kernel.
+MAX_COUNTERS = 1 << 16
+COMBINES = ("auto", "fused", "kernel")
+# "auto" fuses the combine up to this many splits: one CTA then sums few partials (1 x 4096
+# at 1 split: -6% time, 8 x 32768 at 8: -1%), while at 66 splits its serial sum (4.8 us)
+# costs more than the reduce kernel spread over the whole GPU (3.5 us) (H200,
+# docs/benchmarks.md).
+FUSED_MAX_SPLITS = 32
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Passed to nvcc as -D defines; csrc/tile.cuh asserts they equal the kernel's constants.
 KERNEL_CONSTANTS = {"NIBBLE_HEAD_DIM": HEAD_DIM, "NIBBLE_WARPS_PER_CTA": WARPS_PER_CTA,
@@ -84,6 +94,29 @@ def default_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, device: 
     tiles = -(-max(max_seq_len, 1) // 16)
     cap = max(1, -(-tiles // (WARPS_PER_CTA * MIN_TILES_PER_WARP)))
     return min(want, cap)
+
+
+_COUNTERS: dict[int, torch.Tensor] = {}
+
+
+def _split_counters(device: torch.device, pairs: int) -> torch.Tensor | None:
+    """The device's zeroed int32 ``[MAX_COUNTERS]`` split counters; None if ``pairs`` exceeds it.
+
+    Every launch leaves the counters it used at zero (the last CTA resets its own), so one
+    buffer serves every call and every graph replay on the device. Calls that may run
+    concurrently on one device (different streams) would share counters: the engine runs
+    one step at a time on one stream. The first allocation is refused during graph capture
+    (the call then takes the reduce kernel), so the buffer never lives in a graph's pool.
+    """
+    if pairs > MAX_COUNTERS:
+        return None
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    buf = _COUNTERS.get(idx)
+    if buf is None:
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        buf = _COUNTERS[idx] = torch.zeros(MAX_COUNTERS, dtype=torch.int32, device=device)
+    return buf
 
 
 def _check_layout(layout: PageLayout) -> None:
@@ -148,7 +181,7 @@ def decode_attention_cuda(layout: PageLayout, pages: LayerPages, q: torch.Tensor
                           v_scale: float | torch.Tensor = 1.0, *,
                           out: torch.Tensor | None = None, num_splits: int | None = None,
                           max_seq_len: int | None = None,
-                          variant: int | None = None) -> torch.Tensor:
+                          variant: int | None = None, combine: str = "auto") -> torch.Tensor:
     """Paged GQA decode over NVFP4 or FP8 pages: ``q[b]`` attends over ``seq_lens[b]`` tokens.
 
     Args:
@@ -166,6 +199,11 @@ def decode_attention_cuda(layout: PageLayout, pages: LayerPages, q: torch.Tensor
             :func:`default_num_splits` from ``max_seq_len`` (default ``M * S``).
         variant: kernel variant from :data:`VARIANTS` (NVFP4) or :data:`FP8_VARIANTS`;
             default :func:`default_variant`.
+        combine: how the splits are combined: ``"fused"`` (the last CTA of each
+            (sequence, KV head) reduces them inside the decode kernel, one launch; with
+            one split the kernel writes ``out`` directly), ``"kernel"`` (a separate
+            reduce kernel, two launches) or ``"auto"`` (fused up to
+            :data:`FUSED_MAX_SPLITS` splits).
     Returns:
         ``out``.
     Raises:
@@ -186,6 +224,8 @@ def decode_attention_cuda(layout: PageLayout, pages: LayerPages, q: torch.Tensor
     if variant not in allowed:
         raise KernelInputError(f"variant must be one of {allowed} for {layout.kv_format}, got "
                                f"{variant}")
+    if combine not in COMBINES:
+        raise KernelInputError(f"combine must be one of {COMBINES}, got {combine!r}")
     if num_splits is not None and num_splits < 1:
         raise KernelInputError(f"num_splits must be >= 1, got {num_splits}")
     if torch.cuda.get_device_capability(device) != (9, 0):
@@ -200,8 +240,13 @@ def decode_attention_cuda(layout: PageLayout, pages: LayerPages, q: torch.Tensor
     if max_seq_len is None:
         max_seq_len = block_tables.shape[1] * layout.page_size
     nsplit = num_splits or default_num_splits(nb, h, max_seq_len, device, variant)
-    part_o = torch.empty((nb, hq, nsplit, d), dtype=torch.float32, device=device)
-    part_ml = torch.empty((nb, hq, nsplit, 2), dtype=torch.float32, device=device)
+    fused = combine == "fused" or (combine == "auto" and nsplit <= FUSED_MAX_SPLITS)
+    counters = _split_counters(device, nb * h) if fused else None
+    parts = 0 if counters is not None and nsplit == 1 else nsplit   # one split: no partials
+    part_o = torch.empty((nb, hq, parts, d), dtype=torch.float32, device=device)
+    part_ml = torch.empty((nb, hq, parts, 2), dtype=torch.float32, device=device)
+    if counters is None:
+        counters = torch.empty(0, dtype=torch.int32, device=device)
     tpp_log2 = (layout.page_size // 16).bit_length() - 1
     # NVFP4 operands are value * 2^-7 (see csrc/decode.cu); FP8 ones are exact. FP8 pages have no
     # scale sections: the kernel never reads the scale pointers then.
@@ -209,6 +254,6 @@ def decode_attention_cuda(layout: PageLayout, pages: LayerPages, q: torch.Tensor
     vs = pages.k_data if fp8 else pages.v_scale
     _module().decode(q, block_tables, seq_lens, pages.k_data, pages.v_data, ks, vs, page_stride,
                      layout.page_size, tpp_log2, hq // h, kgs, vgs,
-                     sm_scale * LOG2E * (1.0 if fp8 else 128.0), part_o, part_ml, out, nsplit,
-                     variant)
+                     sm_scale * LOG2E * (1.0 if fp8 else 128.0), part_o, part_ml, out, counters,
+                     nsplit, variant)
     return out

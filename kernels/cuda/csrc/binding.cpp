@@ -14,12 +14,13 @@ static int dtype_code(const torch::Tensor& t) {
   return 2;
 }
 
-// Arguments are checked by the Python wrapper; this only packs pointers and launches.
+// Arguments are checked by the Python wrapper; this only packs pointers and launches (the
+// reduce kernel only when `counters` is empty).
 void decode(torch::Tensor q, torch::Tensor bt, torch::Tensor seq_lens, torch::Tensor kd,
             torch::Tensor vd, torch::Tensor ks, torch::Tensor vs, int64_t page_stride,
             int64_t page_size, int64_t tpp_log2, int64_t group, torch::Tensor k_gs,
             torch::Tensor v_gs, double qk_scale, torch::Tensor part_o, torch::Tensor part_ml,
-            torch::Tensor out, int64_t nsplit, int64_t variant) {
+            torch::Tensor out, torch::Tensor counters, int64_t nsplit, int64_t variant) {
   TORCH_CHECK(q.is_cuda() && kd.is_cuda(), "decode: CUDA tensors expected");
   const c10::cuda::CUDAGuard guard(q.device());
   Params p;
@@ -33,10 +34,15 @@ void decode(torch::Tensor q, torch::Tensor bt, torch::Tensor seq_lens, torch::Te
   p.k_gs = k_gs.data_ptr<float>(); p.v_gs = v_gs.data_ptr<float>();
   p.qk_scale = (float)qk_scale;
   p.part_o = part_o.data_ptr<float>(); p.part_ml = part_ml.data_ptr<float>();
+  // An empty counter buffer selects the reduce kernel; otherwise the decode kernel combines.
+  p.counters = counters.numel() > 0 ? counters.data_ptr<int>() : nullptr;
+  p.out = out.data_ptr(); p.o_b = out.stride(0); p.o_h = out.stride(1);
+  p.out_dtype = dtype_code(out);
   const int batch = (int)q.size(0), hq = (int)q.size(1);
   void* stream = c10::cuda::getCurrentCUDAStream().stream();
   launch_decode(p, batch, (int)variant, stream);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (p.counters != nullptr) return;
   launch_reduce(p.part_o, p.part_ml, out.data_ptr(), out.stride(0), out.stride(1),
                 dtype_code(out), batch, hq, (int)nsplit, stream);
   C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -5,7 +5,8 @@
 //
 // Kernel design (one CTA = 4 warps for one (sequence, KV head, split); each warp runs its
 // own online softmax over a contiguous range of 16-token tiles, then the 4 warps combine
-// through shared memory and write one partial; a reduce kernel combines splits):
+// through shared memory and write one partial; the last CTA of a (sequence, KV head) to
+// finish combines the splits, or, without a counter buffer, a reduce kernel does):
 //
 // * S^T = K Q^T with mma.sync.m16n8k16 fp16 -> fp32, swap-AB: A = K (16 tokens on M),
 //   B = Q^T (n = 8 query heads, up to 8 real). The head dim of each k-step is permuted so
@@ -38,7 +39,29 @@
 
 namespace nibble_nvfp4 {
 
-// The 4 warps' (m, l, O) -> one partial per query head of the group.
+// out[i] = v in the output dtype (0 bf16, 1 fp16, 2 fp32).
+__device__ __forceinline__ void store_out(void* out, long long i, int dtype, float v) {
+  if (dtype == 0) reinterpret_cast<__nv_bfloat16*>(out)[i] = __float2bfloat16_rn(v);
+  else if (dtype == 1) reinterpret_cast<__half*>(out)[i] = __float2half_rn(v);
+  else reinterpret_cast<float*>(out)[i] = v;
+}
+
+// The fused combine below sits in __noinline__ functions taking scalars: inlined, its code
+// changed the register allocation of the whole kernel and slowed the main loop by 10-20%
+// (docs/benchmarks.md); behind a call, the loop compiles as without it.
+struct SplitOut {                  // what the fused combine needs, passed by value in registers
+  int* counters; const float* part_o; const float* part_ml; void* out;
+  long long o_b, o_h; int out_dtype, nsplit, group, num_kv_heads;
+};
+
+// One split (with the fused combine): the normalised row of head `hq`, element d.
+__device__ __noinline__ void store_single(void* out, long long oi, int out_dtype, float o,
+                                          float l) {
+  store_out(out, oi, out_dtype, l > 0.f ? o / l : 0.f);
+}
+
+// The 4 warps' (m, l, O) -> one partial per query head of the group (with the fused combine
+// and a single split: the output itself).
 // vfac: the factor from the V operand's fp16 values to real values (NVFP4 2^7 * v_gs).
 __device__ __forceinline__ void combine_warps(const Params& p, int b, int h, int c, int lane,
                                              int warp, uint8_t* smem, float vfac, State& st) {
@@ -77,9 +100,81 @@ __device__ __forceinline__ void combine_warps(const Params& p, int b, int h, int
       o += wt * s_o[w][hh][d];
       l += wt * s_l[w][hh];
     }
+    if (p.counters != nullptr && p.nsplit == 1) {   // one split: this is the answer
+      store_single(p.out, (long long)b * p.o_b + (long long)(h * p.group + hh) * p.o_h + d,
+                   p.out_dtype, o * vfac, l);
+      continue;
+    }
     const long long idx = ((long long)b * hq_total + h * p.group + hh) * p.nsplit + c;
     p.part_o[idx * kD + d] = o * vfac;
     if (d == 0) { p.part_ml[idx * 2] = mx; p.part_ml[idx * 2 + 1] = l; }
+  }
+}
+
+// The last CTA of a (sequence, KV head) to publish its partials combines the nsplit partials
+// of each query head of the group. Counting in: a barrier orders the CTA's partial stores
+// before thread 0's acq_rel atomic at GPU scope (release is cumulative over them, as in
+// CUTLASS's split-K barriers); the last CTA's acquire then makes every other CTA's partials
+// visible to it after the next barrier. It resets the counter, so the buffer is zero again
+// for the next launch or graph replay. Warp w takes heads w, w + 4, ...; lane l holds head
+// dims [4l, 4l + 4). Splits go 16 at a time with an online rescale: each batch issues its
+// 16 (m, l) pairs and 16 partial rows at once (one L2 round trip per batch, no max pass);
+// partials are read through L2 (.cg): other SMs wrote them in this launch.
+// (A template over the caller's CTAs per SM so each copy gets its caller's register budget.)
+template <int MINB>
+__device__ __noinline__ void combine_splits(const SplitOut a, int b, int h, int lane, int warp,
+                                            int* flag) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int* ctr = a.counters + b * a.num_kv_heads + h;
+    int old;
+    asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(old) : "l"(ctr)
+                 : "memory");
+    *flag = old == a.nsplit - 1;
+    if (*flag) *ctr = 0;
+  }
+  __syncthreads();
+  if (!*flag) return;
+  const int ns = a.nsplit, hq_total = a.num_kv_heads * a.group;
+  for (int hh = warp; hh < a.group; hh += kWarps) {
+    const long long base = ((long long)b * hq_total + h * a.group + hh) * ns;
+    const float2* ml = reinterpret_cast<const float2*>(a.part_ml) + base;
+    const float4* po = reinterpret_cast<const float4*>(a.part_o + base * kD) + lane;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    float mx = -INFINITY, l = 0.f;
+    for (int j0 = 0; j0 < ns; j0 += 16) {
+      const int n = min(16, ns - j0), j = lane & 15;
+      const float2 m = j < n ? __ldcg(ml + j0 + j) : make_float2(-INFINITY, 0.f);
+      float4 v[16];
+#pragma unroll
+      for (int u = 0; u < 16; ++u)
+        v[u] = u < n ? __ldcg(po + (long long)(j0 + u) * (kD / 4))
+                     : make_float4(0.f, 0.f, 0.f, 0.f);
+      float bm = m.x;
+#pragma unroll
+      for (int sh = 8; sh > 0; sh >>= 1) bm = fmaxf(bm, __shfl_xor_sync(kFull, bm, sh));
+      const float nm = fmaxf(mx, bm);
+      if (nm == -INFINITY) continue;                 // only empty splits so far
+      const float sc = mx == -INFINITY ? 0.f : ex2(mx - nm);
+      acc.x *= sc; acc.y *= sc; acc.z *= sc; acc.w *= sc;
+      mx = nm;
+      const float wt = m.x == -INFINITY ? 0.f : ex2(m.x - nm);
+      float lb = wt * m.y;
+#pragma unroll
+      for (int sh = 8; sh > 0; sh >>= 1) lb += __shfl_xor_sync(kFull, lb, sh);
+      l = l * sc + lb;
+#pragma unroll
+      for (int u = 0; u < 16; ++u) {
+        const float w = __shfl_sync(kFull, wt, u);
+        acc.x += w * v[u].x; acc.y += w * v[u].y; acc.z += w * v[u].z; acc.w += w * v[u].w;
+      }
+    }
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    const long long oi = (long long)b * a.o_b + (long long)(h * a.group + hh) * a.o_h + 4 * lane;
+    store_out(a.out, oi, a.out_dtype, acc.x * inv);
+    store_out(a.out, oi + 1, a.out_dtype, acc.y * inv);
+    store_out(a.out, oi + 2, a.out_dtype, acc.z * inv);
+    store_out(a.out, oi + 3, a.out_dtype, acc.w * inv);
   }
 }
 
@@ -121,6 +216,11 @@ __global__ void __launch_bounds__(128, MINB) decode_kernel(const Params p) {
     }
   }
   combine_warps(p, b, h, c, lane, warp, smem, (FMT == 1 ? 1.f : 128.f) * __ldg(p.v_gs), st);
+  if (p.counters != nullptr && p.nsplit > 1) {
+    const SplitOut a{p.counters, p.part_o, p.part_ml, p.out, p.o_b, p.o_h, p.out_dtype,
+                     p.nsplit, p.group, p.num_kv_heads};
+    combine_splits<MINB>(a, b, h, lane, warp, reinterpret_cast<int*>(smem + kFlagOff));
+  }
 }
 
 // out[b, hq, :] = sum_s 2^(m_s - M) o_s / sum_s 2^(m_s - M) l_s; one CTA per (b, hq) of
@@ -163,11 +263,8 @@ __global__ void __launch_bounds__(32 * kRedGroups) reduce_kernel(
   const float* so = reinterpret_cast<const float*>(&s_o[0][0]);
   float acc = 0.f, lsum = 0.f;
   for (int r = 0; r < groups; ++r) { acc += so[r * kD + tid]; lsum += s_l[r]; }
-  const float res = lsum > 0.f ? acc / lsum : 0.f;
   const long long oi = (long long)(bq / hq) * o_b + (long long)(bq % hq) * o_h + tid;
-  if (out_dtype == 0) reinterpret_cast<__nv_bfloat16*>(out)[oi] = __float2bfloat16_rn(res);
-  else if (out_dtype == 1) reinterpret_cast<__half*>(out)[oi] = __float2half_rn(res);
-  else reinterpret_cast<float*>(out)[oi] = res;
+  store_out(out, oi, out_dtype, lsum > 0.f ? acc / lsum : 0.f);
 }
 
 // variant = 100000 * FMT + 10000 * PAIR + 1000 * MODE + 100 * PIPE + 10 * DQ + MINB:

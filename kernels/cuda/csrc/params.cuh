@@ -15,6 +15,9 @@ struct Params {
   const float* k_gs; const float* v_gs;                 // global scales (1 fp32 each)
   float qk_scale;                                       // sm_scale * log2(e) * 2^7
   float* part_o; float* part_ml;                        // [B, Hq, nsplit, 128], [.., 2]
+  // Fused combine (null counters: the reduce kernel combines the splits instead): one int32
+  // per (sequence, KV head), zero before the launch and left zero by it; out [B, Hq, 128].
+  int* counters; void* out; long long o_b, o_h; int out_dtype;  // out element strides
 };
 struct StoreParams {                                    // NVFP4 quantize-and-store
   const void* k; const void* v; long long k_t, k_h, v_t, v_h;  // [T, H, D], element strides

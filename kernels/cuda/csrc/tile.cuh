@@ -13,7 +13,10 @@
 namespace nibble_nvfp4 {
 
 constexpr int kD = 128, kWarps = 4, kMaxGroup = 8;
-constexpr int kCombineO = kWarps * kMaxGroup * kD * 4, kCombineBytes = kCombineO + 256;
+// The in-CTA combine's shared memory: O [4][8][128] fp32, m and l [4][8], then the fused
+// combine's last-CTA flag.
+constexpr int kCombineO = kWarps * kMaxGroup * kD * 4, kFlagOff = kCombineO + 256,
+              kCombineBytes = kFlagOff + 16;
 constexpr float kLazy = 8.0f;
 constexpr unsigned kFull = 0xffffffffu;
 // The loader (../_sources.py) passes decode.py's copies of these as -D defines; they must agree.

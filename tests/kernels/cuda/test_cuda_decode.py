@@ -73,6 +73,53 @@ def test_decode_matches_reference(seq_lens, s, h, group, splits, fmt, variant):
     assert _err(layout, pool, tables, lens, q, got) < 3e-3
 
 
+@pytest.mark.parametrize("seq_lens,s,h,group,splits", [
+    ((5, 64, 33, 1000), 16, 2, 4, 3),
+    ((100, 17, 300), 64, 2, 4, 1),
+    ((9000, 3), 16, 2, 4, 70),
+    ((40000,), 16, 1, 8, 80),    # 80 splits of one head: three rounds of 32 in the combine
+])
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8_e4m3"])
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_SM90, reason="needs an sm_90 GPU")
+def test_fused_combine_matches_reduce_kernel(seq_lens, s, h, group, splits, fmt):
+    """The in-kernel combine against the reduce kernel and the reference, and its counters."""
+    from nibble.kernels.cuda import decode as cd
+    layout, pool, tables, lens, q = _case(seq_lens, s, h, group, seed=splits, fmt=fmt)
+    fused = _run(layout, pool, tables, lens, q, num_splits=splits, combine="fused")
+    again = _run(layout, pool, tables, lens, q, num_splits=splits, combine="fused")
+    kernel = _run(layout, pool, tables, lens, q, num_splits=splits, combine="kernel")
+    assert torch.equal(fused, again)               # the last CTA adds splits in a fixed order
+    assert (fused - kernel).abs().max().item() < 1e-5 * max(kernel.abs().max().item(), 1.0)
+    assert _err(layout, pool, tables, lens, q, fused) < 3e-3
+    assert int(cd._COUNTERS[0].count_nonzero()) == 0   # every launch leaves them at zero
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_SM90, reason="needs an sm_90 GPU")
+def test_first_call_under_capture_takes_reduce_kernel(monkeypatch):
+    """No counter buffer yet while capturing: the graph holds the two-kernel form, still right."""
+    from nibble.kernels.cuda import decode as cd
+    monkeypatch.setattr(cd, "_COUNTERS", {})
+    layout, pool, tables, lens, q = _case((3000, 40), 16, 2, 4, seed=12)
+    dev = torch.device("cuda")
+    view = layout.layer_view(pool.to(dev), 1)
+    q_d, t_d, l_d = q.to(dev), tables.to(dev), lens.to(dev)
+    out = torch.full(q.shape, float("nan"), dtype=torch.float32, device=dev)
+    decode_attention_cuda(layout, view, q_d, t_d, l_d, 128 ** -0.5, K_SCALE, V_SCALE, out=out,
+                          combine="kernel", num_splits=5)      # builds; allocates no counters
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        decode_attention_cuda(layout, view, q_d, t_d, l_d, 128 ** -0.5, K_SCALE, V_SCALE,
+                              out=out, num_splits=5, combine="fused")
+    assert cd._COUNTERS == {}
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert _err(layout, pool, tables, lens, q, out.cpu()) < 3e-3
+
+
 @pytest.mark.parametrize("q_dtype,out_dtype,bound", [
     (torch.float16, torch.bfloat16, 8e-3), (torch.float32, torch.float16, 3e-3)])
 @pytest.mark.gpu
@@ -162,6 +209,7 @@ def test_import_builds_nothing():
 @pytest.mark.parametrize("kwargs,message", [
     (dict(out=torch.empty(2, 8, 64)), "out must be"),
     (dict(variant=5), "variant"),
+    (dict(combine="atomic"), "combine must be one of"),
     (dict(num_splits=0), "num_splits"),
     (dict(fmt="fp8_e4m3", variant=VARIANTS[0]), "variant must be one of"),
     (dict(variant=FP8_VARIANTS[0]), "variant must be one of"),
