@@ -63,13 +63,17 @@ def _qkv_cases(b: int, fmt: str, dev) -> dict:
         store_kv(layout, pages, k, v, slots, gs, gs)
         return q
 
-    def fused(tiles=None):
+    def fused(tiles=None, split=None, maps=p16):
+        """As served: fp32 shifts, bf16 maps (RecipeHook.layer_params on a GPU)."""
         return qkv_rope_store(layout, pages, qkv, HQ, cos, sin, slots, gs, gs, qn, kn, EPS,
-                              k_shift=p32.k_shift[0], k_map=p32.k_map[0], q_map=p32.q_map[0],
-                              tokens_per_program=tiles)
+                              k_shift=p32.k_shift[0], k_map=maps.k_map[0], q_map=maps.q_map[0],
+                              tokens_per_program=tiles, split_halves=split)
     cases = {"unfused": unfused, "fused": fused}
     if b >= LONG_INPUT:          # the long-input tiles against the decode-sized ones
         cases["fused_t16"] = lambda: fused(16)
+    else:                        # one program per head (no split), then also fp32 maps
+        cases["fused_unsplit"] = lambda: fused(split=False)
+        cases["fused_unsplit_f32maps"] = lambda: fused(split=False, maps=p32)
     return cases
 
 

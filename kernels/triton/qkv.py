@@ -13,8 +13,11 @@ Work is split in halves of a head (``lo`` = channels ``[0, D/2)``, ``hi`` = ``[D
 RoPE pairs channel ``i`` with ``i + D/2``, so each half is computed from the two
 loads without a shuffle, a D x D map is four ``[D/2, D/2]`` MMAs, and each half
 is quantized as its own ``D/2 / 16`` NVFP4 blocks. The grid is
-``(token tiles of 16, KV heads, G + 1)``: program ``z < G`` transforms query head
-``h * G + z``, program ``G`` the K and V of KV head ``h``.
+``(token tiles, KV heads, G + 1)``: program ``z < G`` transforms query head
+``h * G + z``, program ``G`` the K and V of KV head ``h``. Short inputs (decode steps)
+split each of those into two programs, one per output half (``split_halves``): the K
+program, which maps, quantizes and stores, is the longest, and the split halves its map
+reads and its store.
 
 Numerics: float32 throughout (the maps' MMAs take bf16 operands with float32
 accumulation on a GPU, float32 in the interpreter); the reference is
@@ -32,93 +35,17 @@ from ..errors import KernelInputError
 from ..layout import LayerPages, PageLayout
 from ._common import (FLOAT_DTYPES, check_int_vector, check_pages, element_codes, hw_fp8,
                       scale_tensor, typed_data)
-from .store import _store_rows
+from ._qkv_parts import (_load_halves, _norm_rope, _store_out, _store_parts, _transform,
+                         _vec_halves)
 
 TOKENS = 16          # tokens per program for short inputs (the MMA's M dimension)
 # Long inputs (prefill chunks) take more tokens per program: every program loads its head's
-# D x D map (64 KB in fp32 at D 128), so 16-token programs re-read it from L2 once per 16
-# tokens; (tokens per program, warps) by the input's token count.
+# D x D map (64 KB in fp32 at D 128, 32 KB in bf16 as the GPU path passes it), so 16-token
+# programs re-read it from L2 once per 16 tokens; (tokens per program, warps) by the input's
+# token count.
 LONG_INPUT = 512
 TILE_CHOICES = {16: 4, 32: 4, 64: 8}
 LONG_TOKENS = 64
-
-
-@triton.jit
-def _load_halves(ptr, row, rmask, HALF: tl.constexpr):
-    """fp32 ``(lo, hi)`` ``[BT, HALF]`` of rows starting at offsets ``row``."""
-    col = tl.arange(0, HALF)[None, :]
-    p = ptr + row[:, None] + col
-    lo = tl.load(p, mask=rmask[:, None], other=0.0).to(tl.float32)
-    hi = tl.load(p + HALF, mask=rmask[:, None], other=0.0).to(tl.float32)
-    return lo, hi
-
-
-@triton.jit
-def _vec_halves(ptr, HALF: tl.constexpr):
-    """fp32 ``(lo, hi)`` ``[1, HALF]`` of a ``[2 * HALF]`` vector."""
-    col = tl.arange(0, HALF)[None, :]
-    return tl.load(ptr + col).to(tl.float32), tl.load(ptr + HALF + col).to(tl.float32)
-
-
-@triton.jit
-def _norm_rope(lo, hi, w_ptr, eps, w_off, rope, HAS_NORM: tl.constexpr, HALF: tl.constexpr):
-    """RMSNorm over the whole head (gain ``w + w_off``), then RoPE with ``rope`` =
-    ``(cos_lo, cos_hi, sin_lo, sin_hi)``."""
-    if HAS_NORM:
-        ss = tl.sum(lo * lo, axis=1) + tl.sum(hi * hi, axis=1)
-        r = (1.0 / tl.sqrt(ss / (2 * HALF) + eps))[:, None]
-        wlo, whi = _vec_halves(w_ptr, HALF)
-        lo = lo * r * (wlo + w_off)
-        hi = hi * r * (whi + w_off)
-    c_lo, c_hi, s_lo, s_hi = rope
-    return lo * c_lo - hi * s_lo, hi * c_hi + lo * s_hi
-
-
-@triton.jit
-def _dot(a, b, acc, DOT_BF16: tl.constexpr):
-    if DOT_BF16:
-        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
-    else:
-        return tl.dot(a, b, acc, input_precision="ieee")
-
-
-@triton.jit
-def _map(lo, hi, m_ptr, HALF: tl.constexpr, DOT_BF16: tl.constexpr):
-    """``[lo | hi] @ M`` for this head's row-major ``[2 * HALF, 2 * HALF]`` map, in halves."""
-    r = tl.arange(0, HALF)[:, None] * (2 * HALF)
-    c = tl.arange(0, HALF)[None, :]
-    zero = tl.zeros(lo.shape, tl.float32)
-    out_lo = _dot(hi, tl.load(m_ptr + HALF * 2 * HALF + r + c),
-                  _dot(lo, tl.load(m_ptr + r + c), zero, DOT_BF16), DOT_BF16)
-    out_hi = _dot(hi, tl.load(m_ptr + HALF * 2 * HALF + r + HALF + c),
-                  _dot(lo, tl.load(m_ptr + r + HALF + c), zero, DOT_BF16), DOT_BF16)
-    return out_lo, out_hi
-
-
-@triton.jit
-def _store_half(x, d_ptr, drow, s_ptr, srow, gs_ptr, rmask, HALF: tl.constexpr,
-                FMT: tl.constexpr, HW: tl.constexpr):
-    """Quantize and store one half-head ``x [BT, HALF]`` at the row offsets given."""
-    if FMT == 2:
-        even, odd = tl.split(tl.reshape(x, [x.shape[0], HALF // 16, 8, 2]))
-        _store_rows((even, odd), d_ptr, drow, s_ptr, srow, 1, gs_ptr, rmask, HALF, FMT, HW)
-    else:
-        _store_rows((x, x), d_ptr, drow, s_ptr, srow, 1, gs_ptr, rmask, HALF, FMT, HW)
-
-
-@triton.jit
-def _store_head(lo, hi, d_ptr, s_ptr, gs_ptr, page, off, h, rmask, D_P, D_H, D_T, S_P, S_H,
-                S_T, HALF: tl.constexpr, FMT: tl.constexpr, HW: tl.constexpr):
-    """Both halves of one head's rows into their page slots (data offsets in elements of
-    the typed view: NVFP4 code bytes hold two values, FP8 one byte, BF16 one element)."""
-    drow = page * D_P + (h * D_H + off * D_T)
-    srow = page * S_P + (h * S_H + off * S_T)
-    _store_half(lo, d_ptr, drow, s_ptr, srow, gs_ptr, rmask, HALF, FMT, HW)
-    if FMT == 2:        # NVFP4: two values per code byte, one scale byte per 16 values
-        _store_half(hi, d_ptr, drow + HALF // 2, s_ptr, srow + HALF // 16, gs_ptr, rmask,
-                    HALF, FMT, HW)
-    else:
-        _store_half(hi, d_ptr, drow + HALF, s_ptr, srow, gs_ptr, rmask, HALF, FMT, HW)
 
 
 @triton.jit(do_not_specialize=["n_tok"])
@@ -136,13 +63,17 @@ def _qkv_kernel(qkv_ptr, cos_ptr, sin_ptr, slot_ptr, q_out_ptr, qn_ptr, kn_ptr, 
                 K_FMT: tl.constexpr, V_FMT: tl.constexpr, HW: tl.constexpr,
                 DOT_BF16: tl.constexpr, HAS_KV_OUT: tl.constexpr, SKO_T: tl.constexpr,
                 SKO_H: tl.constexpr, SVO_T: tl.constexpr, SVO_H: tl.constexpr,
-                BT: tl.constexpr):
-    """Program ``(tile of BT tokens, h, z)``: query head ``h * G + z`` (``z < G``), or K and V of head ``h``
-    (and, with ``HAS_KV_OUT``, their transformed rows into ``kout``/``vout``)."""
+                BT: tl.constexpr, SPLIT: tl.constexpr):
+    """Program ``(tile of BT tokens, h, z)``: query head ``h * G + z // SPLIT``
+    (``z // SPLIT < G``), or K and V of head ``h`` (and, with ``HAS_KV_OUT``, their
+    transformed rows into ``kout``/``vout``); with ``SPLIT == 2`` only output half
+    ``z % 2`` of that head (every program still reads both input halves: the norm and RoPE
+    need them)."""
     D = 2 * HALF
     G = HQ // H
     h = tl.program_id(1)
-    z = tl.program_id(2)
+    z = tl.program_id(2) // SPLIT
+    part = tl.program_id(2) % SPLIT
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     tmask = t < n_tok
     t = t.to(tl.int64)
@@ -153,41 +84,33 @@ def _qkv_kernel(qkv_ptr, cos_ptr, sin_ptr, slot_ptr, q_out_ptr, qn_ptr, kn_ptr, 
         hq = h * G + z
         lo, hi = _load_halves(qkv_ptr, t * SX + hq * D, tmask, HALF)
         lo, hi = _norm_rope(lo, hi, qn_ptr, eps, w_off, rope, HAS_QN, HALF)
-        if HAS_QMAP:
-            lo, hi = _map(lo, hi, qmap_ptr + h * D * D, HALF, DOT_BF16)
-        col = tl.arange(0, HALF)[None, :]
-        o = q_out_ptr + (t * SO_T + hq * SO_H)[:, None] + col
-        tl.store(o, lo.to(q_out_ptr.dtype.element_ty), mask=tmask[:, None])
-        tl.store(o + HALF, hi.to(q_out_ptr.dtype.element_ty), mask=tmask[:, None])
+        a, b = _transform(lo, hi, qmap_ptr + h * D * D, part, HAS_QMAP, SPLIT, HALF, DOT_BF16)
+        _store_out(q_out_ptr, t * SO_T + hq * SO_H, a, b, part, tmask, HALF, SPLIT)
     else:
         lo, hi = _load_halves(qkv_ptr, t * SX + (HQ + h) * D, tmask, HALF)
         lo, hi = _norm_rope(lo, hi, kn_ptr, eps, w_off, rope, HAS_KN, HALF)
         if HAS_KSHIFT:
             c0, c1 = _vec_halves(kshift_ptr + h * D, HALF)
             lo, hi = lo - c0, hi - c1
-        if HAS_KMAP:
-            lo, hi = _map(lo, hi, kmap_ptr + h * D * D, HALF, DOT_BF16)
+        ka, kb = _transform(lo, hi, kmap_ptr + h * D * D, part, HAS_KMAP, SPLIT, HALF,
+                            DOT_BF16)
         v_lo, v_hi = _load_halves(qkv_ptr, t * SX + (HQ + H + h) * D, tmask, HALF)
         if HAS_VSHIFT:
             c0, c1 = _vec_halves(vshift_ptr + h * D, HALF)
             v_lo, v_hi = v_lo - c0, v_hi - c1
+        va, vb = _transform(v_lo, v_hi, vshift_ptr, part, False, SPLIT, HALF, DOT_BF16)
         if HAS_KV_OUT:
-            col = tl.arange(0, HALF)[None, :]
-            ko = kout_ptr + (t * SKO_T + h * SKO_H)[:, None] + col
-            vo = vout_ptr + (t * SVO_T + h * SVO_H)[:, None] + col
-            tl.store(ko, lo.to(kout_ptr.dtype.element_ty), mask=tmask[:, None])
-            tl.store(ko + HALF, hi.to(kout_ptr.dtype.element_ty), mask=tmask[:, None])
-            tl.store(vo, v_lo.to(vout_ptr.dtype.element_ty), mask=tmask[:, None])
-            tl.store(vo + HALF, v_hi.to(vout_ptr.dtype.element_ty), mask=tmask[:, None])
+            _store_out(kout_ptr, t * SKO_T + h * SKO_H, ka, kb, part, tmask, HALF, SPLIT)
+            _store_out(vout_ptr, t * SVO_T + h * SVO_H, va, vb, part, tmask, HALF, SPLIT)
         slot = tl.load(slot_ptr + t, mask=tmask, other=-1)
         rmask = tmask & (slot >= 0)
         slot = tl.maximum(slot, 0).to(tl.uint32)
         page = (slot // PAGE).to(tl.int64)
         off = (slot % PAGE).to(tl.int32)
-        _store_head(lo, hi, kd_ptr, ks_ptr, kgs_ptr, page, off, h, rmask, KD_P, KD_H, KD_T,
-                    KS_P, KS_H, KS_T, HALF, K_FMT, HW)
-        _store_head(v_lo, v_hi, vd_ptr, vs_ptr, vgs_ptr, page, off, h, rmask, VD_P, VD_H,
-                    VD_T, VS_P, VS_H, VS_T, HALF, V_FMT, HW)
+        _store_parts(ka, kb, part, kd_ptr, ks_ptr, kgs_ptr, page, off, h, rmask, KD_P, KD_H,
+                     KD_T, KS_P, KS_H, KS_T, HALF, K_FMT, HW, SPLIT)
+        _store_parts(va, vb, part, vd_ptr, vs_ptr, vgs_ptr, page, off, h, rmask, VD_P, VD_H,
+                     VD_T, VS_P, VS_H, VS_T, HALF, V_FMT, HW, SPLIT)
 
 
 def _check_float(name: str, t: torch.Tensor | None, shape: tuple[int, ...],
@@ -241,7 +164,8 @@ def qkv_rope_store(layout: PageLayout, pages: LayerPages, qkv: torch.Tensor, num
                    q_map: torch.Tensor | None = None, v_shift: torch.Tensor | None = None,
                    *, out: torch.Tensor | None = None, k_out: torch.Tensor | None = None,
                    v_out: torch.Tensor | None = None,
-                   tokens_per_program: int | None = None) -> torch.Tensor:
+                   tokens_per_program: int | None = None,
+                   split_halves: bool | None = None) -> torch.Tensor:
     """QK-norm, RoPE, the K recipe and the K/V store from ``qkv`` in one launch; returns q'.
 
     Args:
@@ -263,6 +187,10 @@ def qkv_rope_store(layout: PageLayout, pages: LayerPages, qkv: torch.Tensor, num
             the fresh keys and values of a prefill's attention.
         tokens_per_program: 16, 32 or 64 (benchmarks); default 16 below ``LONG_INPUT`` tokens,
             ``LONG_TOKENS`` from there.
+        split_halves: one program per output half of each head (twice the programs, each
+            reading half of its head's map and storing half the head: a shorter critical
+            path for decode-sized inputs) instead of one per head. Default: below
+            ``LONG_INPUT`` tokens. Same bytes and values either way.
     Returns:
         ``out``: q' = ``rope(norm(q)) @ q_map``. K' = ``(rope(norm(k)) - k_shift) @ k_map`` and
         ``v - v_shift`` are quantized into the pages (see :func:`~.store.store_kv`).
@@ -294,9 +222,10 @@ def qkv_rope_store(layout: PageLayout, pages: LayerPages, qkv: torch.Tensor, num
                                f"{tokens_per_program}")
     if t == 0:
         return out
+    split = (t < LONG_INPUT) if split_halves is None else bool(split_halves)
     _launch(layout, pages, qkv, num_heads, cos, sin, slot_mapping, k_scale, v_scale,
             (q_norm, k_norm, k_shift, k_map, q_map, v_shift), eps, norm_offset, out,
-            (k_out, v_out), tokens_per_program)
+            (k_out, v_out), tokens_per_program, 2 if split else 1)
     return out
 
 
@@ -314,7 +243,7 @@ def _check_kv_out(k_out: torch.Tensor | None, v_out: torch.Tensor | None,
 def _launch(layout: PageLayout, pages: LayerPages, qkv: torch.Tensor, num_heads: int,
             cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, k_scale, v_scale,
             params: tuple, eps: float, norm_offset: float, out: torch.Tensor,
-            kv_out: tuple, bt: int) -> None:
+            kv_out: tuple, bt: int, split: int) -> None:
     """Launch :func:`_qkv_kernel` on checked arguments (``params`` = q_norm, k_norm,
     k_shift, k_map, q_map, v_shift, each a tensor or None; ``kv_out`` = k_out, v_out)."""
     device = qkv.device
@@ -330,7 +259,7 @@ def _launch(layout: PageLayout, pages: LayerPages, qkv: torch.Tensor, num_heads:
            for n, p in zip(("QN", "KN", "KSHIFT", "KMAP", "QMAP", "VSHIFT"), params)}
     ptrs = [p if p is not None else qkv for p in params]   # unused pointers: any tensor
     g = num_heads // h
-    grid = (triton.cdiv(qkv.shape[0], bt), h, g + 1)
+    grid = (triton.cdiv(qkv.shape[0], bt), h, (g + 1) * split)
     ko, vo = kv_out if kv_out[0] is not None else (out, out)   # unused pointers: any tensor
     _qkv_kernel[grid](
         qkv, cos, sin, slots, out, ptrs[0], ptrs[1], float(eps), float(norm_offset), ptrs[2],
@@ -340,5 +269,5 @@ def _launch(layout: PageLayout, pages: LayerPages, qkv: torch.Tensor, num_heads:
         **dict(zip(names, strides)), HQ=num_heads, H=h, HALF=d // 2, PAGE=layout.page_size,
         **has, K_FMT=kf, V_FMT=vf, HW=hw_fp8(device), DOT_BF16=device.type == "cuda",
         HAS_KV_OUT=kv_out[0] is not None, SKO_T=ko.stride(0), SKO_H=ko.stride(1),
-        SVO_T=vo.stride(0), SVO_H=vo.stride(1), BT=bt, num_warps=TILE_CHOICES[bt],
+        SVO_T=vo.stride(0), SVO_H=vo.stride(1), BT=bt, SPLIT=split, num_warps=TILE_CHOICES[bt],
         enable_fp_fusion=False)

@@ -177,9 +177,13 @@ class RecipeHook:
         p = self._sync(q.device)
         if p is None or q.dtype == torch.float32:
             return p
-        cast = self._cast.get(q.dtype)
+        return self._cast_of(p, q.dtype)
+
+    def _cast_of(self, p, dtype: torch.dtype):
+        """``p`` (the device copy) in ``dtype``: a cached copy, reloaded when ``p`` changes."""
+        cast = self._cast.get(dtype)
         if cast is None:
-            cast = self._cast[q.dtype] = p.to(q.device, q.dtype)
+            cast = self._cast[dtype] = p.to(p.k_shift.device, dtype)
         elif cast.digest != p.digest:
             cast.load_(p)
         return cast
@@ -193,17 +197,19 @@ class RecipeHook:
         return p.apply(layer, q, k.to(q.dtype), v.to(q.dtype))
 
     def layer_params(self, layer: int, device: torch.device) -> dict[str, torch.Tensor | None]:
-        """Layer ``layer``'s fp32 parameters on ``device`` (with its index, e.g. a tensor's
+        """Layer ``layer``'s parameters on ``device`` (with its index, e.g. a tensor's
         ``.device``: ``cuda`` alone would not match ``cuda:0`` and copy them again, which a
-        CUDA graph capture refuses) as fused kernels take them:
-        ``k_shift``/``v_shift`` ``[H, D]``, ``k_map``/``q_map`` ``[H, D, D]`` (None: absent).
-        Views of the tensors that :meth:`apply` keeps current, so graphs read the current ones.
+        CUDA graph capture refuses) as fused kernels take them: fp32 ``k_shift``/``v_shift``
+        ``[H, D]`` and ``k_map``/``q_map`` ``[H, D, D]`` (None: absent), the maps in bf16 on
+        a GPU, where the kernels' MMAs round them to bf16 anyway (the same values, half the
+        bytes read per step). Views of tensors kept current, so graphs read the current ones.
         """
         p = self._sync(device)
         if p is None:
             return dict(k_shift=None, k_map=None, q_map=None, v_shift=None)
+        maps = self._cast_of(p, torch.bfloat16) if device.type == "cuda" else p
         pick = lambda t: None if t is None else t[layer]  # noqa: E731
-        return dict(k_shift=pick(p.k_shift), k_map=pick(p.k_map), q_map=pick(p.q_map),
+        return dict(k_shift=pick(p.k_shift), k_map=pick(maps.k_map), q_map=pick(maps.q_map),
                     v_shift=pick(p.v_shift))
 
     def finish(self, layer: int, out: torch.Tensor) -> torch.Tensor:

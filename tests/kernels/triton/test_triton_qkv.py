@@ -56,7 +56,7 @@ def _blank(layout: PageLayout, pages, slots: torch.Tensor) -> None:
 
 
 def _run(device, fmt="nvfp4", hq=4, h=2, d=64, t=19, page=16, recipe=True, qk_norm=True,
-         v_shift=False, dtype=torch.float32, seed=0, bt=None):
+         v_shift=False, dtype=torch.float32, seed=0, bt=None, split=None):
     gen = torch.Generator().manual_seed(seed)
     layout = PageLayout(fmt, 2, h, d, page)
     npages = -(-t // page) + 2
@@ -80,7 +80,7 @@ def _run(device, fmt="nvfp4", hq=4, h=2, d=64, t=19, page=16, recipe=True, qk_no
     q = qkv_rope_store(layout, layout.layer_view(pool_dev, 1), qkv.to(device), hq,
                        cos.to(device), sin.to(device), slots.to(device), 0.5, 2.0,
                        **{k: dev(v) if isinstance(v, torch.Tensor) else v for k, v in kw.items()},
-                       tokens_per_program=bt)
+                       tokens_per_program=bt, split_halves=split)
     return layout, pool_dev.cpu(), expect, slots, q.cpu(), q_ref
 
 
@@ -120,6 +120,22 @@ def test_qkv_no_qk_norm_group_one_head_dim_32_v_shift(device):
 def test_qkv_long_input_tiles(device, bt):
     """The prefill tiles (more tokens per program), a partial last tile included."""
     _check(_run(device, t=bt + 19, bt=bt, v_shift=True), 1e-5, 1e-3, 0.002)
+
+
+@pytest.mark.parametrize("device", [CPU, GPU])
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8_e4m3", "bf16"])
+@pytest.mark.parametrize("bt", [16, 64])
+def test_split_halves_write_the_same_bytes(device, fmt, bt):
+    """One program per output half (decode's default) against one per head: same q', same
+    page bytes (each half is its own quantization blocks; the map's sums run in one order)."""
+    kw = dict(fmt=fmt, t=bt + 3, bt=bt, v_shift=True, seed=5)
+    if device == "cuda":
+        kw.update(hq=32, h=8, d=128, dtype=torch.bfloat16)
+    one = _run(device, split=False, **kw)
+    two = _run(device, split=True, **kw)
+    assert torch.equal(one[4], two[4])
+    assert torch.equal(one[1], two[1])
+    _check(two, 1.5e-2 if device == "cuda" else 1e-5, 0.06 if device == "cuda" else 1e-3, 0.12)
 
 
 @pytest.mark.parametrize("device", [CPU])
