@@ -3,8 +3,8 @@
 Rows are handled in halves of a head (``lo`` = channels ``[0, D/2)``, ``hi`` =
 ``[D/2, D)``; see :mod:`.qkv`). With ``SPLIT == 2`` (``qkv_rope_store(...,
 split_halves=True)``) program ``part`` of a head computes and stores only output half
-``part``: :func:`_map_part` runs two of :func:`_map`'s four MMAs (half of the map read, the
-same sums), :func:`_store_parts` and :func:`_store_out` write that half alone. With
+``part``: :func:`_map_part` runs two of :func:`_map`'s four MMAs (half of the map read),
+:func:`_store_parts` and :func:`_store_out` write that half alone. With
 ``SPLIT == 1`` they pass both halves through, so the kernel body is one code for both.
 """
 
@@ -71,7 +71,7 @@ def _map(lo, hi, m_ptr, HALF: tl.constexpr, DOT_BF16: tl.constexpr):
 @triton.jit
 def _map_part(lo, hi, m_ptr, part, HALF: tl.constexpr, DOT_BF16: tl.constexpr):
     """Output half ``part`` (0: channels ``[0, HALF)``, 1: ``[HALF, 2 * HALF)``) of
-    ``[lo | hi] @ M``: two of :func:`_map`'s four MMAs, half of the map read, same sums."""
+    ``[lo | hi] @ M``: two of :func:`_map`'s four MMAs, half of the map read."""
     r = tl.arange(0, HALF)[:, None] * (2 * HALF) + part * HALF
     c = tl.arange(0, HALF)[None, :]
     zero = tl.zeros(lo.shape, tl.float32)

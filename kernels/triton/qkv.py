@@ -190,7 +190,8 @@ def qkv_rope_store(layout: PageLayout, pages: LayerPages, qkv: torch.Tensor, num
         split_halves: one program per output half of each head (twice the programs, each
             reading half of its head's map and storing half the head: a shorter critical
             path for decode-sized inputs) instead of one per head. Default: below
-            ``LONG_INPUT`` tokens. Same bytes and values either way.
+            ``LONG_INPUT`` tokens. The same bytes in the interpreter; on a GPU the MMAs'
+            fp32 sums may round differently in the last bit.
     Returns:
         ``out``: q' = ``rope(norm(q)) @ q_map``. K' = ``(rope(norm(k)) - k_shift) @ k_map`` and
         ``v - v_shift`` are quantized into the pages (see :func:`~.store.store_kv`).

@@ -126,16 +126,25 @@ def test_qkv_long_input_tiles(device, bt):
 @pytest.mark.parametrize("fmt", ["nvfp4", "fp8_e4m3", "bf16"])
 @pytest.mark.parametrize("bt", [16, 64])
 def test_split_halves_write_the_same_bytes(device, fmt, bt):
-    """One program per output half (decode's default) against one per head: same q', same
-    page bytes (each half is its own quantization blocks; the map's sums run in one order)."""
+    """One program per output half (decode's default) against one per head. Interpreted:
+    the same q' and page bytes (each half is its own quantization blocks; the map's sums run
+    in one order). On a GPU the two programs' MMAs may accumulate in another order, so fp32
+    results differ in the last bits and a bf16 rounding can flip: both are checked against
+    the reference, and against each other within that rounding."""
     kw = dict(fmt=fmt, t=bt + 3, bt=bt, v_shift=True, seed=5)
     if device == "cuda":
         kw.update(hq=32, h=8, d=128, dtype=torch.bfloat16)
     one = _run(device, split=False, **kw)
     two = _run(device, split=True, **kw)
-    assert torch.equal(one[4], two[4])
-    assert torch.equal(one[1], two[1])
-    _check(two, 1.5e-2 if device == "cuda" else 1e-5, 0.06 if device == "cuda" else 1e-3, 0.12)
+    if device == "cpu":
+        assert torch.equal(one[4], two[4])
+        assert torch.equal(one[1], two[1])
+        _check(two, 1e-5, 1e-3, 0.002)
+        return
+    q1, q2 = one[4].float(), two[4].float()
+    assert float((q1 - q2).norm() / q1.norm()) < 4e-3      # one bf16 ulp is 2^-8 relative
+    for run in (one, two):
+        _check(run, 1.5e-2, 0.06 if fmt == "nvfp4" else 0.02, 0.12)
 
 
 @pytest.mark.parametrize("device", [CPU])
