@@ -143,8 +143,8 @@ def test_split_halves_write_the_same_bytes(device, fmt, bt):
         return
     q1, q2 = one[4].float(), two[4].float()
     assert float((q1 - q2).norm() / q1.norm()) < 4e-3      # one bf16 ulp is 2^-8 relative
-    for run in (one, two):
-        _check(run, 1.5e-2, 0.06 if fmt == "nvfp4" else 0.02, 0.12)
+    for run in (one, two):   # bf16 pages: the operands' ~3e-3 error flips many low bytes
+        _check(run, 1.5e-2, 0.06 if fmt == "nvfp4" else 0.02, 0.5 if fmt == "bf16" else 0.12)
 
 
 @pytest.mark.parametrize("device", [CPU])
