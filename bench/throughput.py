@@ -8,6 +8,8 @@ exactly ``--output-len`` tokens. Writes JSON and a bar chart.
     python -m nibble.bench.throughput --streams 1 8 --output-len 64 --out out/throughput
 
 ``--dtype bfloat16`` runs both engines' weights in bf16 (fast where the CPU has AVX512-BF16).
+``--llama-bench BIN`` also times llama.cpp's ``llama-bench`` (built separately, see
+docs/benchmarks.md) on the same GGUF, single stream, in the same run.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import subprocess
 import time
 
 import torch
@@ -92,6 +95,29 @@ def run_hf(streams: int, output_len: int, dtype: str = "float32") -> dict:
             "output_tokens": produced, "seconds": dt, "tokens_per_s": produced / dt}
 
 
+def parse_llama_bench(text: str) -> dict:
+    """The generation row of ``llama-bench -o json`` output: tokens and mean tok/s."""
+    rows = [r for r in json.loads(text) if r.get("n_gen", 0) > 0 and r.get("n_prompt", 0) == 0]
+    if len(rows) != 1:
+        raise ValueError(f"expected one generation-only row in llama-bench output, got "
+                         f"{len(rows)}")
+    return {"output_tokens": int(rows[0]["n_gen"]), "tokens_per_s": float(rows[0]["avg_ts"]),
+            "threads": int(rows[0].get("n_threads", 0)), "model_type": rows[0].get("model_type")}
+
+
+def run_llama(binary: str, output_len: int, threads: int = 2) -> dict:
+    """``llama-bench`` on the default model's GGUF (its own Q4_1 kernels), one stream."""
+    from nibble.services.models.loader import default_model_path
+
+    cmd = [binary, "-m", str(default_model_path()), "-t", str(threads), "-p", "0",
+           "-n", str(output_len), "-r", "3", "-o", "json"]
+    t0 = time.perf_counter()
+    done = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=600)
+    row = parse_llama_bench(done.stdout)
+    return {"engine": "llama.cpp-q4_1", "dtype": "q4_1", "streams": 1,
+            "seconds": time.perf_counter() - t0, **row}
+
+
 def plot(results: list[dict], path: pathlib.Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -122,12 +148,17 @@ def main(argv=None) -> None:
     p.add_argument("--no-hf", action="store_true")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                    help="model dtype of both engines (bfloat16: AVX512-BF16 CPUs)")
+    p.add_argument("--llama-bench", default=None, metavar="BIN",
+                   help="also time this llama-bench binary on the same GGUF (1 stream)")
     p.add_argument("--out", default="out/throughput")
     args = p.parse_args(argv)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = []
     for s in args.streams:
+        if args.llama_bench and s == 1:
+            results.append(run_llama(args.llama_bench, args.output_len))
+            print(json.dumps(results[-1]))
         for kv in args.kv:
             results.append(run_nibble(kv, s, args.output_len, args.dtype))
             print(json.dumps(results[-1]))
