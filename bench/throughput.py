@@ -8,6 +8,8 @@ exactly ``--output-len`` tokens. Writes JSON and a bar chart.
     python -m nibble.bench.throughput --streams 1 8 --output-len 64 --out out/throughput
 
 ``--dtype bfloat16`` runs both engines' weights in bf16 (fast where the CPU has AVX512-BF16).
+``--quantization none gguf`` runs Nibble twice: on the dequantized weights, and with the GGUF's
+4-bit weights packed for decode steps (``services/models/weight_quant.py``).
 ``--llama-bench BIN`` also times llama.cpp's ``llama-bench`` (built separately, see
 docs/benchmarks.md) on the same GGUF, single stream, in the same run.
 """
@@ -40,8 +42,9 @@ def chat_ids(tokenizer, text: str) -> list[int]:
     return tokenizer.encode(prompt)
 
 
-def run_nibble(kv: str, streams: int, output_len: int, dtype: str = "float32") -> dict:
-    cfg = NibbleConfig(model=ModelConfig(dtype=dtype),
+def run_nibble(kv: str, streams: int, output_len: int, dtype: str = "float32",
+               quantization: str = "none") -> dict:
+    cfg = NibbleConfig(model=ModelConfig(dtype=dtype, quantization=quantization),
                        cache=CacheConfig(kv_cache_dtype=kv, max_total_tokens=32768),
                        scheduler=SchedulerConfig(max_running_requests=max(streams, 1)))
     parts = build_parts(cfg)
@@ -56,15 +59,22 @@ def run_nibble(kv: str, streams: int, output_len: int, dtype: str = "float32") -
     t0 = time.perf_counter()
     for r in reqs:
         core.add_request(r)
-    produced = 0
-    with tqdm(total=streams * output_len, desc=f"nibble {kv} x{streams}", leave=False) as bar:
+    produced, t_first, first = 0, None, 0
+    label = f"nibble-{kv}" + ("-gguf" if quantization == "gguf" else "")
+    with tqdm(total=streams * output_len, desc=f"{label} x{streams}", leave=False) as bar:
         while core.has_unfinished():
             n = sum(len(o.new_token_ids) for o in core.step())
             produced += n
+            if t_first is None and produced >= streams:   # every prompt prefilled
+                t_first, first = time.perf_counter(), produced
             bar.update(n)
-    dt = time.perf_counter() - t0
-    return {"engine": f"nibble-{kv}", "dtype": dtype, "streams": streams,
-            "output_tokens": produced, "seconds": dt, "tokens_per_s": produced / dt}
+    t_end = time.perf_counter()
+    dt = t_end - t0
+    return {"engine": label, "dtype": dtype, "quantization": quantization, "streams": streams,
+            "output_tokens": produced, "seconds": dt, "tokens_per_s": produced / dt,
+            # the decode phase alone (what llama-bench's tg test times): after the prefills
+            "decode_tokens_per_s": (produced - first) / (t_end - t_first)
+            if t_first is not None and t_end > t_first else None}
 
 
 def run_hf(streams: int, output_len: int, dtype: str = "float32") -> dict:
@@ -148,6 +158,9 @@ def main(argv=None) -> None:
     p.add_argument("--no-hf", action="store_true")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                    help="model dtype of both engines (bfloat16: AVX512-BF16 CPUs)")
+    p.add_argument("--quantization", nargs="+", default=["none"], choices=("none", "gguf"),
+                   help="Nibble's weights: none (dequantized, --dtype), gguf (the file's 4-bit "
+                        "codes for decode steps); several run side by side")
     p.add_argument("--llama-bench", default=None, metavar="BIN",
                    help="also time this llama-bench binary on the same GGUF (1 stream)")
     p.add_argument("--out", default="out/throughput")
@@ -160,16 +173,19 @@ def main(argv=None) -> None:
             results.append(run_llama(args.llama_bench, args.output_len))
             print(json.dumps(results[-1]))
         for kv in args.kv:
-            results.append(run_nibble(kv, s, args.output_len, args.dtype))
-            print(json.dumps(results[-1]))
+            for q in args.quantization:
+                results.append(run_nibble(kv, s, args.output_len, args.dtype, q))
+                print(json.dumps(results[-1]))
         if not args.no_hf:
             results.append(run_hf(s, args.output_len, args.dtype))
             print(json.dumps(results[-1]))
     (out / "throughput.json").write_text(json.dumps(results, indent=2))
     plot(results, out / "throughput.png")
-    print(f"{'engine':<20}{'streams':>8}{'tok/s':>10}")
+    print(f"{'engine':<20}{'streams':>8}{'tok/s':>10}{'decode tok/s':>14}")
     for r in results:
-        print(f"{r['engine']:<20}{r['streams']:>8}{r['tokens_per_s']:>10.1f}")
+        dec = r.get("decode_tokens_per_s")
+        print(f"{r['engine']:<20}{r['streams']:>8}{r['tokens_per_s']:>10.1f}"
+              f"{'' if dec is None else format(dec, '.1f'):>14}")
 
 
 if __name__ == "__main__":

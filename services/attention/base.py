@@ -126,6 +126,8 @@ class BoundAttention:
 
     def __init__(self, backend: AttentionBackend, meta: AttentionMetadata):
         self.backend, self.meta = backend, meta
+        # every sequence decodes one token (models/base.is_decode_step)
+        self.decode_only = not meta.prefill and not meta.extend
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor,
                  v: torch.Tensor) -> torch.Tensor:

@@ -155,8 +155,9 @@ class FastTorchAttentionBackend(TorchAttentionBackend):
             return None
         hq, h, d = inp.num_heads, inp.num_kv_heads, inp.head_dim
         q, k, v = (x.unflatten(1, (-1, d)) for x in qkv.float().split([hq * d, h * d, h * d], 1))
-        rope = tuple(t.float().contiguous() for t in (inp.cos, inp.sin))
-        return self._native(layer, q, k, v, rope).to(qkv.dtype)
+        if nd.get("rope", (None,))[0] is not inp.cos:     # the step's cos/sin: once, not per layer
+            nd["rope"] = (inp.cos, inp.cos.float().contiguous(), inp.sin.float().contiguous())
+        return self._native(layer, q, k, v, nd["rope"][1:]).to(qkv.dtype)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:

@@ -122,6 +122,12 @@ class ModelConfig:
                             help="dummy: random weights from the model's config.json (speed "
                                  "benchmarks; without tokenizer files a numeric tokenizer is "
                                  "used)")
+    quantization: str = flag("auto", choices=("auto", "none", "gguf"),
+                             help="gguf: keep a GGUF checkpoint's Q4_0/Q4_1 weights (and a Q8_0 "
+                                  "LM head) packed and multiply CPU decode steps of up to 8 "
+                                  "sequences by them (bf16 products; prompts keep the dense "
+                                  "--dtype GEMMs); auto: gguf on one CPU rank with hardware "
+                                  "bf16; none: dequantized weights only")
 
 
 @dataclass(frozen=True)

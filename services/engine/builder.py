@@ -84,6 +84,23 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
+def resolve_weights(cfg: NibbleConfig, device: torch.device) -> tuple[str, torch.dtype]:
+    """``(quantization, dtype)`` of the weights (``models/weight_quant.resolve_quantization``)."""
+    from ..models.loader import resolve_model_path
+    from ..models.weight_quant import resolve_quantization
+    m = cfg.model
+    gguf = None
+    if m.load_format == "auto" and m.quantization != "none":
+        path = resolve_model_path(m.model_path)
+        gguf = path if os.path.isfile(path) and path.lower().endswith(".gguf") else None
+    try:
+        quantization, dtype = resolve_quantization(m.quantization, m.dtype, device,
+                                                   cfg.device.tp_size, gguf)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    return quantization, resolve_dtype(dtype, device)
+
+
 def device_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[1]
@@ -186,9 +203,10 @@ def build_engine_core(model, tokenizer, cfg: NibbleConfig, *, device: torch.devi
         calibrate_pool(model, tokenizer, pool, arch, context,
                        CalibrationCache(root) if root is not None else None,
                        fingerprint if fingerprint != "local" else None, tp)
-    # Fused Triton layer kernels on CUDA: after calibration (which runs the torch ops),
-    # before the decode graphs are captured.
+    # Fused layer kernels (Triton on CUDA, C on the CPU): after calibration (which runs the
+    # torch ops), before the decode graphs are captured.
     model.set_fused_kernels(device.type == "cuda" and not cfg.device.disable_fused_kernels)
+    model.set_cpu_layer_ops(device.type == "cpu" and not cfg.device.disable_fused_kernels)
     backend = ATTENTION_BACKENDS[backend_name](pool, arch.sm_scale, cfg.cache.prefill_kv_dtype,
                                                device_cfg=cfg.device)
     backend.set_sliding_windows(windows)
@@ -272,7 +290,7 @@ def build_parts(cfg: NibbleConfig, start_group=None) -> EngineParts:
     from ..models.loader import load_model  # heavy import, deferred
 
     device = resolve_device(cfg.device)
-    dtype = resolve_dtype(cfg.model.dtype, device)
+    quantization, dtype = resolve_weights(cfg, device)
     tp, pids = None, ()
     if cfg.device.tp_size > 1:
         if start_group is None:        # the followers are daemons: they end with this process
@@ -283,7 +301,8 @@ def build_parts(cfg: NibbleConfig, start_group=None) -> EngineParts:
     elif device.type == "cuda" and cfg.device.base_gpu_id:
         device = local_rank_device("cuda", 0, 1, cfg.device.base_gpu_id, "nccl")
         torch.cuda.set_device(device)
-    loaded = load_model(cfg.model.model_path, dtype, device, cfg.model.load_format, tp=tp)
+    loaded = load_model(cfg.model.model_path, dtype, device, cfg.model.load_format, tp=tp,
+                        quantization=quantization)
     core = build_engine_core(loaded.model, loaded.tokenizer, cfg, device=device,
                              fingerprint=loaded.fingerprint)
     backend_name = core.runner.backend.name

@@ -49,7 +49,9 @@ class AttentionFn(Protocol):
 
     An implementation may also offer ``fused(layer_id, inp: QKVInput) -> [T, Hq, D] | None``
     (see :func:`fused_attention`): attention straight from the QKV projection's output,
-    or None where it does not apply to this step (the model then calls it as above).
+    or None where it does not apply to this step (the model then calls it as above), and
+    ``decode_only: bool``: every sequence of the step decodes one token (see
+    :func:`is_decode_step`; a model may multiply such a step by other weights).
     """
 
     def __call__(self, layer_id: int, q: torch.Tensor, k: torch.Tensor,
@@ -60,3 +62,8 @@ def fused_attention(attn: AttentionFn, layer_id: int, inp: QKVInput) -> torch.Te
     """``attn.fused(layer_id, inp)`` where ``attn`` offers it, else None."""
     fused = getattr(attn, "fused", None)
     return None if fused is None else fused(layer_id, inp)
+
+
+def is_decode_step(attn: AttentionFn) -> bool:
+    """``attn.decode_only`` where ``attn`` states it, else False (a prompt may be in it)."""
+    return bool(getattr(attn, "decode_only", False))

@@ -129,6 +129,10 @@ class Gemma3CausalLM(CausalLM):
         """Gemma 3's layers (four norms, GeGLU) have no fused path: the torch ops always run."""
         self.fused_kernels = False
 
+    def set_cpu_layer_ops(self, enabled: bool) -> None:
+        """Nor a C path: Gemma 3's norms scale by ``1 + w`` around each sublayer."""
+        self.cpu_layer_ops = False
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden [N, hidden]`` -> float32 logits ``[N, vocab]``, soft-capped if configured."""
         logits = self.gather_vocab(F.linear(hidden, self.lm_head).float())

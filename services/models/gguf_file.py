@@ -168,6 +168,50 @@ class GGUFFile:
         return torch.from_numpy(arr)
 
 
+# GGML block types whose weights keep their codes on the CPU (``weight_quant.py``):
+# type -> (bytes per 32-value block, has an fp16 offset after the scale, code bits).
+_BLOCK_TYPES = {2: (18, False, 4), 3: (20, True, 4), 8: (34, False, 8)}  # Q4_0, Q4_1, Q8_0
+BLOCK = 32
+
+
+@dataclass(frozen=True)
+class BlockCodes:
+    """A Q4_0 / Q4_1 / Q8_0 tensor's own codes: ``w = codes * scale (+ offset)`` per group of
+    32 along the last dim (``kernels/cpu/int4_linear.py``)."""
+    codes: torch.Tensor            # uint8 [rows, K] in 0..15 (4-bit) or int8 [rows, K] (8-bit)
+    scale: torch.Tensor            # float32 [rows, K // 32]
+    offset: torch.Tensor | None    # float32 [rows, K // 32] (4-bit), None (8-bit)
+
+
+def is_4bit_block(t: GGUFTensor) -> bool:
+    """Whether ``t`` is a Q4_0 or Q4_1 tensor (:func:`block_codes` gives its codes)."""
+    spec = _BLOCK_TYPES.get(t.qtype)
+    return spec is not None and spec[2] == 4
+
+
+def block_codes(t: GGUFTensor) -> BlockCodes | None:
+    """The codes and group parameters of a 2-D Q4_0, Q4_1 or Q8_0 tensor; None for any other
+    type. Q4_0's ``(q - 8) * d`` becomes ``offset = -8 * d``."""
+    spec = _BLOCK_TYPES.get(t.qtype)
+    if spec is None or len(t.shape) != 2:
+        return None
+    nbytes, has_min, bits = spec
+    rows, k = t.shape
+    blocks = t.raw.reshape(rows, k // BLOCK, nbytes)
+    head = 4 if has_min else 2
+    scale = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))
+    body = blocks[..., head:]
+    if bits == 8:
+        return BlockCodes(torch.from_numpy(body.copy().view(np.int8).reshape(rows, k)), scale, None)
+    codes = np.concatenate([body & 15, body >> 4], axis=-1).reshape(rows, k)  # llama.cpp order
+    if has_min:
+        offset = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0]
+                                  .astype(np.float32))
+    else:
+        offset = -8.0 * scale
+    return BlockCodes(torch.from_numpy(np.ascontiguousarray(codes)), scale, offset)
+
+
 def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     """HF checkpoint name for a GGUF tensor name; None for tensors loaded elsewhere."""
     if gguf_name in _GLOBAL_NAMES:

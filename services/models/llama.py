@@ -32,9 +32,10 @@ from torch import nn
 from ..errors import ModelLoadError
 from ..parallel.group import SingleGroup, TPGroup
 from ..parallel.partition import TPPartition, shard_arch, shard_tensor
-from .base import AttentionFn, QKVInput, fused_attention
+from .base import AttentionFn, QKVInput, fused_attention, is_decode_step
 from .config import ModelArchConfig
 from .rope import RotaryCache, apply_rope
+from .weight_quant import PackedWeight, packed_linear, use_packed
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -72,11 +73,21 @@ class DecoderLayer(nn.Module):
         a = self.arch
         t = x.shape[0]
         h = rms_norm(x, self.input_norm, a.rms_norm_eps)
-        o = self._attend(F.linear(h, self.qkv_weight, self.qkv_bias), cos, sin, attn)
-        x = x + self.tp_reduce(F.linear(o.reshape(t, a.q_size), self.o_weight, self.o_bias_0))
+        o = self._attend(self._linear(h, "qkv_weight", attn, self.qkv_bias), cos, sin, attn)
+        x = x + self.tp_reduce(self._linear(o.reshape(t, a.q_size), "o_weight", attn,
+                                            self.o_bias_0))
         h = rms_norm(x, self.post_norm, a.rms_norm_eps)
-        gate, up = self._gate_up(h)
-        return x + self.tp_reduce(F.linear(F.silu(gate) * up, self.down_weight))
+        gate, up = self._gate_up(h, attn)
+        return x + self.tp_reduce(self._linear(F.silu(gate) * up, "down_weight", attn))
+
+    # GGUF codes of the projection weights (``weight_quant.py``, ``--quantization gguf``):
+    # parameter name -> packed weight; small CPU decode steps multiply by these
+    packed: dict[str, PackedWeight] = {}
+
+    def _linear(self, x: torch.Tensor, attr: str, attn: AttentionFn,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+        return packed_linear(x, getattr(self, attr), self.packed.get(attr), bias,
+                             is_decode_step(attn))
 
     # tensor parallelism (services/parallel): row-parallel outputs are summed over the ranks,
     # and a bias is added by rank 0 only; with one rank both are free
@@ -90,25 +101,36 @@ class DecoderLayer(nn.Module):
         return self.o_bias if self.tp.rank == 0 else None
 
     def forward_fused(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
-                      sin: torch.Tensor, attn: AttentionFn) -> tuple[torch.Tensor, torch.Tensor]:
+                      sin: torch.Tensor, attn: AttentionFn, cpu_ops: bool = False
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`forward` on the fused kernels: ``(x, residual)`` ``[T, H]`` -> the MLP's
         output and the residual before it (their sum is what :meth:`forward` returns);
-        ``residual`` None in the first layer."""
-        from nibble.kernels.triton.layer_ops import add_rms_norm, silu_mul
+        ``residual`` None in the first layer. The Triton kernels, or with ``cpu_ops`` the C
+        residual add + RMSNorm of ``kernels/cpu/layer_ops.py`` and torch's SiLU-and-mul."""
+        if cpu_ops:
+            from nibble.kernels.cpu.layer_ops import add_rms_norm
+        else:
+            from nibble.kernels.triton.layer_ops import add_rms_norm, silu_mul
         a = self.arch
         t = x.shape[0]
         h, residual = add_rms_norm(x, residual, self.input_norm, a.rms_norm_eps)
-        o = self._attend(F.linear(h, self.qkv_weight, self.qkv_bias), cos, sin, attn)
-        o = self.tp_reduce(F.linear(o.reshape(t, a.q_size), self.o_weight, self.o_bias_0))
+        o = self._attend(self._linear(h, "qkv_weight", attn, self.qkv_bias), cos, sin, attn)
+        o = self.tp_reduce(self._linear(o.reshape(t, a.q_size), "o_weight", attn,
+                                        self.o_bias_0))
         h, residual = add_rms_norm(o, residual, self.post_norm, a.rms_norm_eps)
+        if cpu_ops:
+            gate, up = self._gate_up(h, attn)
+            return self.tp_reduce(self._linear(F.silu(gate) * up, "down_weight", attn)), residual
         return self.tp_reduce(F.linear(silu_mul(F.linear(h, self.gate_up_weight)),
                                        self.down_weight)), residual
 
-    def _gate_up(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _gate_up(self, h: torch.Tensor, attn: AttentionFn) -> tuple[torch.Tensor, torch.Tensor]:
         """``silu``'s and ``up``'s inputs ``[T, I]`` from ``h [T, H]``. A small CPU batch (a
         decode step) runs them as two GEMMs over the fused weight's halves: BLAS runs the
         ``[I, H]`` shape at 8 rows about 1.3x faster per byte than the ``[2I, H]`` one (the
         values are the same, bit for bit, as those of the fused GEMM's halves)."""
+        if use_packed(self.packed.get("gate_up_weight"), h, is_decode_step(attn)):
+            return self._linear(h, "gate_up_weight", attn).chunk(2, dim=-1)
         if h.device.type == "cpu" and h.shape[0] <= 64:
             i = self.arch.intermediate_size
             return F.linear(h, self.gate_up_weight[:i]), F.linear(h, self.gate_up_weight[i:])
@@ -198,6 +220,8 @@ class CausalLM(nn.Module):
                 self.lm_head.zero_()
         self.rope = RotaryCache(arch)
         self.fused_kernels = False
+        self.cpu_layer_ops = False
+        self.packed_lm_head: PackedWeight | None = None   # weight_quant.py
         self._loaded: set[tuple[str, int | None]] = set()
 
     @property
@@ -208,6 +232,14 @@ class CausalLM(nn.Module):
         """Run the layers on the fused Triton kernels (see the module docstring); they run
         on CUDA, and on CPU only under Triton's interpreter (tests)."""
         self.fused_kernels = enabled
+
+    def set_cpu_layer_ops(self, enabled: bool) -> None:
+        """Run a CPU model's residual adds and RMSNorms as one C call each
+        (``kernels/cpu/layer_ops.py``, the engine's CPU default), where the C library builds
+        and the dtype is float32 or bfloat16."""
+        from nibble.kernels.cpu import layer_ops
+        self.cpu_layer_ops = bool(enabled and self.device.type == "cpu" and self.dtype in (
+            torch.float32, torch.bfloat16) and layer_ops.available())
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn: AttentionFn) -> torch.Tensor:
@@ -224,11 +256,15 @@ class CausalLM(nn.Module):
         """
         x = self.embed_tokens(input_ids)
         cos, sin = self.rope.lookup(positions, x.dtype)
-        if self.fused_kernels:
-            from nibble.kernels.triton.layer_ops import add_rms_norm
+        if self.fused_kernels or self.cpu_layer_ops:
+            cpu_ops = not self.fused_kernels
+            if cpu_ops:
+                from nibble.kernels.cpu.layer_ops import add_rms_norm
+            else:
+                from nibble.kernels.triton.layer_ops import add_rms_norm
             residual = None
             for layer in self.layers:
-                x, residual = layer.forward_fused(x, residual, cos, sin, attn)
+                x, residual = layer.forward_fused(x, residual, cos, sin, attn, cpu_ops)
             return add_rms_norm(x, residual, self.norm, self.arch.rms_norm_eps)[0]
         for layer in self.layers:
             x = layer(x, cos, sin, attn)
@@ -253,7 +289,7 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden [N, hidden]`` (from ``forward``) -> logits ``[N, vocab]`` float32."""
-        return self.gather_vocab(F.linear(hidden, self.lm_head).float())
+        return self.gather_vocab(packed_linear(hidden, self.lm_head, self.packed_lm_head).float())
 
     # ----------------------------------------------------------------- loading
 

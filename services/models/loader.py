@@ -32,6 +32,7 @@ from .gemma3 import Gemma3CausalLM
 from .llama import CausalLM
 from .packaged import NAMED_MODELS
 from .tokenizer import Tokenizer
+from .weight_quant import pack_gguf_weights
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +120,8 @@ def load_tokenizer(model_path: str | None, load_format: str = "auto") -> Tokeniz
 
 
 def load_model(model_path: str | None, dtype: torch.dtype, device: torch.device,
-               load_format: str = "auto", tp: TPGroup | None = None) -> LoadedModel:
+               load_format: str = "auto", tp: TPGroup | None = None,
+               quantization: str = "none") -> LoadedModel:
     """Load weights, tokenizer and architecture config.
 
     Args:
@@ -132,7 +134,11 @@ def load_model(model_path: str | None, dtype: torch.dtype, device: torch.device,
             HF directory's config.json (see :mod:`.dummy`).
         tp: a tensor-parallel group: this rank's shard is built, and each checkpoint
             tensor is sliced as it is read.
+        quantization: "none" computes with the dequantized weights only; "gguf" also keeps
+            a GGUF file's 4-bit blocks packed for small CPU steps (``weight_quant.py``).
     """
+    if quantization not in ("none", "gguf"):
+        raise ModelLoadError(f"unknown quantization {quantization!r} (none, gguf)")
     path = resolve_model_path(model_path)
     device = torch.device(device)
     start = time.perf_counter()
@@ -145,14 +151,16 @@ def load_model(model_path: str | None, dtype: torch.dtype, device: torch.device,
         tok = dummy.load_dummy(path, model, arch)
         name = os.path.basename(os.path.normpath(path))
     elif os.path.isfile(path) and path.lower().endswith(".gguf"):
-        model, arch, tok = _load_gguf(path, dtype, device, tp)
+        model, arch, tok = _load_gguf(path, dtype, device, tp, quantization == "gguf")
         name = _QUANT_SUFFIX.sub("", os.path.basename(path)[: -len(".gguf")])
     elif os.path.isdir(path):
         model, arch, tok = _load_hf_dir(path, dtype, device, tp)
         name = os.path.basename(os.path.normpath(path))
     else:
         raise ModelLoadError(f"model path {path!r} is neither a directory nor a .gguf file")
-    loaded = LoadedModel(model, arch, tok, name, _fingerprint(model, arch, dtype))
+    if quantization == "gguf" and not (os.path.isfile(path) and load_format != "dummy"):
+        raise ModelLoadError(f"--quantization gguf needs a GGUF checkpoint, got {path!r}")
+    loaded = LoadedModel(model, arch, tok, name, _fingerprint(model, arch, dtype, quantization))
     log.info("loaded %s (%s, %d layers) in %.2fs", name, arch.arch, arch.num_layers,
              time.perf_counter() - start)
     return loaded
@@ -166,7 +174,8 @@ def new_model(arch: ModelArchConfig, dtype: torch.dtype, device: torch.device,
     return cls(arch, dtype, device, tp)
 
 
-def _load_gguf(path: str, dtype: torch.dtype, device: torch.device, tp: TPGroup | None):
+def _load_gguf(path: str, dtype: torch.dtype, device: torch.device, tp: TPGroup | None,
+               pack: bool = False):
     f = gguf_file.GGUFFile(path)
     names = {t.name for t in f.tensors}
     arch = ModelArchConfig.from_gguf_metadata(f.metadata, names)
@@ -176,6 +185,11 @@ def _load_gguf(path: str, dtype: torch.dtype, device: torch.device, tp: TPGroup 
     model = new_model(arch, dtype, device, tp)
     model.load_weights(gguf_file.iter_weights(f, arch.arch, arch.num_heads, arch.num_kv_heads))
     model.finish_loading()
+    if pack:
+        if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+            raise ModelLoadError(f"--quantization gguf runs float32 or bf16 models on the CPU, "
+                                 f"not {dtype} on {device.type}")
+        pack_gguf_weights(model, f)
     return model, arch, Tokenizer.from_gguf_metadata(f.metadata, arch.eos_token_ids)
 
 
@@ -223,8 +237,10 @@ def _iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
 _SAMPLE_ELEMS = 4096
 
 
-def _fingerprint(model: CausalLM, arch: ModelArchConfig, dtype: torch.dtype) -> str:
-    """sha256 over arch config, dtype, parameter names/shapes and a few weight samples.
+def _fingerprint(model: CausalLM, arch: ModelArchConfig, dtype: torch.dtype,
+                 quantization: str = "none") -> str:
+    """sha256 over arch config, dtype, the weights' quantization, parameter names/shapes and a
+    few weight samples.
 
     Equal for the same checkpoint loaded with the same dtype on any device; it
     namespaces KV/prefix cache keys, so different weights must never collide.
@@ -232,6 +248,8 @@ def _fingerprint(model: CausalLM, arch: ModelArchConfig, dtype: torch.dtype) -> 
     h = hashlib.sha256()
     h.update(json.dumps(dataclasses.asdict(arch), sort_keys=True, default=list).encode())
     h.update(str(dtype).encode())
+    if quantization != "none":       # other arithmetic, other KV: its own cache namespace
+        h.update(f"quantization={quantization}".encode())
     params = dict(model.named_parameters())
     for name, p in params.items():
         h.update(f"{name}:{tuple(p.shape)};".encode())

@@ -176,7 +176,7 @@ def test_full_command_line_round_trip(tmp_path):
     keys.write_text("sk-file-key-0001\n")
     keys.chmod(0o600)
     argv = ["--model-path", "/m", "--served-model-name", "m", "--dtype", "bfloat16",
-            "--context-length", "4096", "--load-format", "dummy",
+            "--context-length", "4096", "--load-format", "dummy", "--quantization", "none",
             "--kv-cache-dtype", "nvfp4_kcb", "--enable-experimental-kv-formats",
             "--page-size", "32", "--mem-fraction-static", "0.5", "--max-total-tokens", "8192",
             "--prefill-kv-dtype", "fp8_e4m3", "--kv-secret-file", "/s",
@@ -200,7 +200,7 @@ def test_full_command_line_round_trip(tmp_path):
             "--allow-unauthenticated", "--graceful-shutdown-timeout", "5",
             "--max-request-body-bytes", "4096"]
     want = NibbleConfig(
-        ModelConfig("/m", "m", "bfloat16", 4096, "dummy"),
+        ModelConfig("/m", "m", "bfloat16", 4096, "dummy", quantization="none"),
         CacheConfig("nvfp4_kcb", 32, 0.5, 8192, "fp8_e4m3", False, "/s", True),
         HiCacheConfig(True, 3.0, 1.5, "redis", "redis://h:1/0", "p:", 60, 2.0, "write_back",
                       "timeout", 1.0, "/pw"),

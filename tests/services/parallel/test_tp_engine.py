@@ -38,7 +38,9 @@ def test_tp2_model_equals_tp1(family):
                                        ("qwen3", "bf16"), ("qwen3", "fp8_e4m3"),
                                        ("qwen3", "nvfp4")])
 def test_tp2_engine_equals_tp1(family, kv):
-    _check(arch_of(family), kv, 1e-4)
+    # one bf16 page value flipped at a rounding tie moves a prompt row's logits by up to
+    # ~2e-4 (qwen2 with the C add + RMSNorm: 1.8e-4, on the prompt's rows only)
+    _check(arch_of(family), kv, 2e-4 if kv == "bf16" else 1e-4)
 
 
 def test_odd_head_counts_split_unevenly():
