@@ -15,9 +15,12 @@ residual add rides with the next RMSNorm (a layer returns its output and the
 residual separately) and SwiGLU's ``silu(gate) * up`` is one launch; the attention
 callable may take the QKV output whole (``AttentionFn.fused``: QK-norm, RoPE, the K
 recipe and the KV store in one kernel). A decode step then runs ten kernels per
-layer. Off (the CPU default), the torch ops below run unchanged; the attention callable
-may still take the QKV output whole (the CPU decode kernel of ``kernels/cpu`` does RoPE
-itself), and declines (None) where it does not.
+layer. On the CPU (:meth:`CausalLM.set_cpu_layer_ops`, the engine's default there) the same
+fused forward runs each residual add + RMSNorm as one C call (``kernels/cpu/layer_ops.py``) and
+SiLU-and-mul on torch; off, the torch ops below run unchanged. Either way the attention
+callable may take the QKV output whole (the CPU decode kernel of ``kernels/cpu`` does RoPE
+itself), and declines (None) where it does not. With ``--quantization gguf`` a decode step's
+projections multiply by the GGUF's 4-bit codes (``weight_quant.py``).
 """
 
 from __future__ import annotations
