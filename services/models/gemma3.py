@@ -97,6 +97,7 @@ class Gemma3CausalLM(CausalLM):
     """Gemma 3 text model; loads HF names like ``CausalLM`` (see the module docstring)."""
 
     layer_cls = Gemma3DecoderLayer
+    takes_packed_weights = False     # its layers call F.linear (weight_quant.py)
     layer_map = _GEMMA3_LAYER_MAP
 
     def __init__(self, arch: ModelArchConfig, dtype: torch.dtype = torch.float32,

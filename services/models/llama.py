@@ -199,6 +199,7 @@ class CausalLM(nn.Module):
 
     layer_cls: type[nn.Module] = DecoderLayer
     layer_map: dict[str, tuple[str, int | None]] = _LAYER_MAP
+    takes_packed_weights = True      # its layers multiply through weight_quant.packed_linear
 
     def __init__(self, arch: ModelArchConfig, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", tp: TPGroup | None = None):

@@ -158,3 +158,12 @@ def test_the_config_flag_reaches_the_loader():
         resolve_weights(cfg, CPU)
     cfg = NibbleConfig(model=ModelConfig(quantization="none"), device=DeviceConfig(device="cpu"))
     assert resolve_weights(cfg, CPU) == ("none", torch.float32)
+
+
+def test_gemma_keeps_dense_weights():
+    from nibble.services.models.gemma3 import Gemma3CausalLM
+
+    from ..engine.conftest import tiny_arch
+    model = Gemma3CausalLM(tiny_arch("gemma3", qk_norm=True))
+    assert weight_quant.pack_gguf_weights(model, GGUFFile(GGUF_PATH)).packed == 0
+    assert model.packed_lm_head is None
