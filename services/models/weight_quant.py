@@ -86,7 +86,7 @@ def pack_gguf_weights(model: torch.nn.Module, f: GGUFFile) -> PackSummary:
     if not model.takes_packed_weights:
         log.info("%s runs its own layers: its GGUF weights stay dense", type(model).__name__)
         return PackSummary(0, 0, 0)
-    if getattr(model, "tp").size != 1:
+    if model.tp.size != 1:
         raise ModelLoadError("--quantization gguf runs on one rank (no tensor parallelism)")
     parts: dict[tuple[int, str], dict[int, BlockCodes]] = {}
     head: BlockCodes | None = None
