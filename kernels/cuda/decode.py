@@ -47,19 +47,24 @@ DEFAULT_VARIANT = 10424  # fastest on an H200 in every benchmark case (docs/benc
 DEFAULT_FP8_VARIANT = 110602  # equal to 110403 in sum over the benchmark cases, 6% faster
                                # at 64 x 4096, 2% slower at 32 x 32768 (H200)
 FORMATS = ("nvfp4", "fp8_e4m3")
-# The fused combine counts finished splits in one int32 per (sequence, KV head) of a buffer
-# allocated once per device; larger batches fall back to the reduce kernel.
-MAX_COUNTERS = 1 << 16
+# The fused combine counts finished splits in COUNTER_STRIDE int32s per (sequence, KV head)
+# (one for the groups of 16 splits, one per group: csrc/decode.cu) of a buffer allocated once
+# per device; larger batches fall back to the reduce kernel.
+MAX_COUNTERS = 1 << 16           # (sequence, KV head) pairs
+SPLIT_GROUP, MAX_SPLIT_GROUPS = 16, 16
+COUNTER_STRIDE = 1 + MAX_SPLIT_GROUPS
+FUSED_CAPACITY = SPLIT_GROUP * MAX_SPLIT_GROUPS   # splits the fused combine can take
 COMBINES = ("auto", "fused", "kernel")
-# "auto" fuses the combine up to this many splits: one CTA then sums few partials (1 x 4096
-# at 1 split: -6% time, 8 x 32768 at 8: -1%), while at 66 splits its serial sum (4.8 us)
-# costs more than the reduce kernel spread over the whole GPU (3.5 us) (H200,
-# docs/benchmarks.md).
-FUSED_MAX_SPLITS = 32
+# "auto" fuses the combine up to this many splits, all it can take: against the reduce kernel
+# one launch saves 1-6% with few splits (1 x 4096 at 1 split, 8 x 32768 at 4-8), and the two
+# levels (groups of 16, then the groups) tie it at 66 splits (1 x 131072 NVFP4) and save 0.5%
+# at 33 (FP8) (H200, docs/benchmarks.md).
+FUSED_MAX_SPLITS = FUSED_CAPACITY
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Passed to nvcc as -D defines; csrc/tile.cuh asserts they equal the kernel's constants.
 KERNEL_CONSTANTS = {"NIBBLE_HEAD_DIM": HEAD_DIM, "NIBBLE_WARPS_PER_CTA": WARPS_PER_CTA,
-                    "NIBBLE_MAX_GROUP": MAX_GROUP}
+                    "NIBBLE_MAX_GROUP": MAX_GROUP, "NIBBLE_COUNTER_STRIDE": COUNTER_STRIDE,
+                    "NIBBLE_FUSED_CAPACITY": FUSED_CAPACITY}
 
 
 def is_built() -> bool:
@@ -100,7 +105,8 @@ _COUNTERS: dict[int, torch.Tensor] = {}
 
 
 def _split_counters(device: torch.device, pairs: int) -> torch.Tensor | None:
-    """The device's zeroed int32 ``[MAX_COUNTERS]`` split counters; None if ``pairs`` exceeds it.
+    """The device's zeroed int32 ``[MAX_COUNTERS * COUNTER_STRIDE]`` split counters; None if
+    ``pairs`` exceeds ``MAX_COUNTERS``.
 
     Every launch leaves the counters it used at zero (the last CTA resets its own), so one
     buffer serves every call and every graph replay on the device. Calls that may run
@@ -115,7 +121,8 @@ def _split_counters(device: torch.device, pairs: int) -> torch.Tensor | None:
     if buf is None:
         if torch.cuda.is_current_stream_capturing():
             return None
-        buf = _COUNTERS[idx] = torch.zeros(MAX_COUNTERS, dtype=torch.int32, device=device)
+        buf = _COUNTERS[idx] = torch.zeros(MAX_COUNTERS * COUNTER_STRIDE, dtype=torch.int32,
+                                           device=device)
     return buf
 
 
@@ -203,7 +210,8 @@ def decode_attention_cuda(layout: PageLayout, pages: LayerPages, q: torch.Tensor
             (sequence, KV head) reduces them inside the decode kernel, one launch; with
             one split the kernel writes ``out`` directly), ``"kernel"`` (a separate
             reduce kernel, two launches) or ``"auto"`` (fused up to
-            :data:`FUSED_MAX_SPLITS` splits).
+            :data:`FUSED_MAX_SPLITS` splits). ``"fused"`` takes up to
+            :data:`FUSED_CAPACITY` splits.
     Returns:
         ``out``.
     Raises:
@@ -240,6 +248,9 @@ def decode_attention_cuda(layout: PageLayout, pages: LayerPages, q: torch.Tensor
     if max_seq_len is None:
         max_seq_len = block_tables.shape[1] * layout.page_size
     nsplit = num_splits or default_num_splits(nb, h, max_seq_len, device, variant)
+    if combine == "fused" and nsplit > FUSED_CAPACITY:
+        raise KernelInputError(f"combine='fused' takes up to {FUSED_CAPACITY} splits, got "
+                               f"{nsplit}")
     fused = combine == "fused" or (combine == "auto" and nsplit <= FUSED_MAX_SPLITS)
     counters = _split_counters(device, nb * h) if fused else None
     parts = 0 if counters is not None and nsplit == 1 else nsplit   # one split: no partials

@@ -50,7 +50,7 @@ __device__ __forceinline__ void store_out(void* out, long long i, int dtype, flo
 // changed the register allocation of the whole kernel and slowed the main loop by 10-20%
 // (docs/benchmarks.md); behind a call, the loop compiles as without it.
 struct SplitOut {                  // what the fused combine needs, passed by value in registers
-  int* counters; const float* part_o; const float* part_ml; void* out;
+  int* counters; float* part_o; float* part_ml; void* out;
   long long o_b, o_h; int out_dtype, nsplit, group, num_kv_heads;
 };
 
@@ -111,44 +111,47 @@ __device__ __forceinline__ void combine_warps(const Params& p, int b, int h, int
   }
 }
 
-// The last CTA of a (sequence, KV head) to publish its partials combines the nsplit partials
-// of each query head of the group. Counting in: a barrier orders the CTA's partial stores
-// before thread 0's acq_rel atomic at GPU scope (release is cumulative over them, as in
-// CUTLASS's split-K barriers); the last CTA's acquire then makes every other CTA's partials
-// visible to it after the next barrier. It resets the counter, so the buffer is zero again
-// for the next launch or graph replay. Warp w takes heads w, w + 4, ...; lane l holds head
-// dims [4l, 4l + 4). Splits go 16 at a time with an online rescale: each batch issues its
-// 16 (m, l) pairs and 16 partial rows at once (one L2 round trip per batch, no max pass);
-// partials are read through L2 (.cg): other SMs wrote them in this launch.
-// (A template over the caller's CTAs per SM so each copy gets its caller's register budget.)
-template <int MINB>
-__device__ __noinline__ void combine_splits(const SplitOut a, int b, int h, int lane, int warp,
-                                            int* flag) {
+// Counting in: a barrier orders the CTA's prior stores (partials) before thread 0's acq_rel
+// atomic at GPU scope (release is cumulative over them, as in CUTLASS's split-K barriers); the
+// last CTA's acquire then makes every other CTA's stores visible to it after the next barrier.
+// The last one resets the counter, so the buffer is zero again for the next launch or graph
+// replay. Returns (to every thread) whether this CTA was the last of `total`.
+__device__ __forceinline__ bool count_in(int* ctr, int total, int* flag) {
   __syncthreads();
   if (threadIdx.x == 0) {
-    int* ctr = a.counters + b * a.num_kv_heads + h;
     int old;
     asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(old) : "l"(ctr)
                  : "memory");
-    *flag = old == a.nsplit - 1;
+    *flag = old == total - 1;
     if (*flag) *ctr = 0;
   }
   __syncthreads();
-  if (!*flag) return;
-  const int ns = a.nsplit, hq_total = a.num_kv_heads * a.group;
+  return *flag != 0;
+}
+
+// Sums `count` partials of each query head of the group, slots first, first + stride, ...
+// (in split units), 16 at a time with an online rescale: each batch issues its 16 (m, l)
+// pairs and 16 partial rows at once (one L2 round trip per batch, no max pass); partials
+// are read through L2 (.cg): other SMs wrote them in this launch. to_out: the normalised
+// rows go to the output; else the sum goes back, as one partial, to slot `first`.
+// Warp w takes heads w, w + 4, ...; lane l holds head dims [4l, 4l + 4).
+__device__ __forceinline__ void sum_partials(const SplitOut& a, int b, int h, int lane, int warp,
+                                             int first, int count, int stride, bool to_out) {
+  const int hq_total = a.num_kv_heads * a.group;
   for (int hh = warp; hh < a.group; hh += kWarps) {
-    const long long base = ((long long)b * hq_total + h * a.group + hh) * ns;
+    const long long base = ((long long)b * hq_total + h * a.group + hh) * a.nsplit + first;
     const float2* ml = reinterpret_cast<const float2*>(a.part_ml) + base;
     const float4* po = reinterpret_cast<const float4*>(a.part_o + base * kD) + lane;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
     float mx = -INFINITY, l = 0.f;
-    for (int j0 = 0; j0 < ns; j0 += 16) {
-      const int n = min(16, ns - j0), j = lane & 15;
-      const float2 m = j < n ? __ldcg(ml + j0 + j) : make_float2(-INFINITY, 0.f);
+    for (int j0 = 0; j0 < count; j0 += 16) {
+      const int n = min(16, count - j0), j = lane & 15;
+      const float2 m = j < n ? __ldcg(ml + (long long)(j0 + j) * stride)
+                             : make_float2(-INFINITY, 0.f);
       float4 v[16];
 #pragma unroll
       for (int u = 0; u < 16; ++u)
-        v[u] = u < n ? __ldcg(po + (long long)(j0 + u) * (kD / 4))
+        v[u] = u < n ? __ldcg(po + (long long)(j0 + u) * stride * (kD / 4))
                      : make_float4(0.f, 0.f, 0.f, 0.f);
       float bm = m.x;
 #pragma unroll
@@ -169,6 +172,11 @@ __device__ __noinline__ void combine_splits(const SplitOut a, int b, int h, int 
         acc.x += w * v[u].x; acc.y += w * v[u].y; acc.z += w * v[u].z; acc.w += w * v[u].w;
       }
     }
+    if (!to_out) {                                   // one partial in the same convention
+      reinterpret_cast<float4*>(a.part_o + base * kD)[lane] = acc;
+      if (lane == 0) reinterpret_cast<float2*>(a.part_ml)[base] = make_float2(mx, l);
+      continue;
+    }
     const float inv = l > 0.f ? 1.f / l : 0.f;
     const long long oi = (long long)b * a.o_b + (long long)(h * a.group + hh) * a.o_h + 4 * lane;
     store_out(a.out, oi, a.out_dtype, acc.x * inv);
@@ -176,6 +184,31 @@ __device__ __noinline__ void combine_splits(const SplitOut a, int b, int h, int 
     store_out(a.out, oi + 2, a.out_dtype, acc.z * inv);
     store_out(a.out, oi + 3, a.out_dtype, acc.w * inv);
   }
+}
+
+// The splits of a (sequence, KV head) combine in up to two levels: up to kSplitGroup splits,
+// the last CTA to publish its partials sums them into the output. Above that, splits form
+// groups of kSplitGroup: the last CTA of each group sums its group into the group's first
+// slot, and the last group to finish sums the groups' slots into the output, so no CTA sums
+// more than kSplitGroup partials (one L2 round trip each level; one CTA summing 66 partials
+// in five dependent round trips took 4.8 us, docs/benchmarks.md). Counters per (sequence,
+// KV head): [0] the groups (or the splits, one level), [1 + g] group g's splits.
+// (A template over the caller's CTAs per SM so each copy gets its caller's register budget.)
+template <int MINB>
+__device__ __noinline__ void combine_splits(const SplitOut a, int b, int h, int c, int lane,
+                                            int warp, int* flag) {
+  int* ctr = a.counters + ((long long)b * a.num_kv_heads + h) * kCtrStride;
+  const int ns = a.nsplit;
+  if (ns <= kSplitGroup) {
+    if (count_in(ctr, ns, flag)) sum_partials(a, b, h, lane, warp, 0, ns, 1, true);
+    return;
+  }
+  const int groups = (ns + kSplitGroup - 1) / kSplitGroup, g = c / kSplitGroup;
+  const int first = g * kSplitGroup, size = min(kSplitGroup, ns - first);
+  if (!count_in(ctr + 1 + g, size, flag)) return;
+  sum_partials(a, b, h, lane, warp, first, size, 1, false);
+  if (count_in(ctr, groups, flag))
+    sum_partials(a, b, h, lane, warp, 0, groups, kSplitGroup, true);
 }
 
 // FMT 0: NVFP4 pages (DQ = dequant form, PIPE 0 = register ping-pong, MODE = diagnostics);
@@ -219,7 +252,7 @@ __global__ void __launch_bounds__(128, MINB) decode_kernel(const Params p) {
   if (p.counters != nullptr && p.nsplit > 1) {
     const SplitOut a{p.counters, p.part_o, p.part_ml, p.out, p.o_b, p.o_h, p.out_dtype,
                      p.nsplit, p.group, p.num_kv_heads};
-    combine_splits<MINB>(a, b, h, lane, warp, reinterpret_cast<int*>(smem + kFlagOff));
+    combine_splits<MINB>(a, b, h, c, lane, warp, reinterpret_cast<int*>(smem + kFlagOff));
   }
 }
 

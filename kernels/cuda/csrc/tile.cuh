@@ -17,12 +17,17 @@ constexpr int kD = 128, kWarps = 4, kMaxGroup = 8;
 // combine's last-CTA flag.
 constexpr int kCombineO = kWarps * kMaxGroup * kD * 4, kFlagOff = kCombineO + 256,
               kCombineBytes = kFlagOff + 16;
+// The fused split combine: splits per group, and int32 counters per (sequence, KV head)
+// (one for the groups, one per group; decode.py sizes the buffer).
+constexpr int kSplitGroup = 16, kMaxSplitGroups = 16, kCtrStride = 1 + kMaxSplitGroups;
 constexpr float kLazy = 8.0f;
 constexpr unsigned kFull = 0xffffffffu;
 // The loader (../_sources.py) passes decode.py's copies of these as -D defines; they must agree.
 #ifdef NIBBLE_HEAD_DIM
 static_assert(NIBBLE_HEAD_DIM == kD && NIBBLE_WARPS_PER_CTA == kWarps &&
-              NIBBLE_MAX_GROUP == kMaxGroup, "kernels/cuda/decode.py constants differ");
+              NIBBLE_MAX_GROUP == kMaxGroup && NIBBLE_COUNTER_STRIDE == kCtrStride &&
+              NIBBLE_FUSED_CAPACITY == kSplitGroup * kMaxSplitGroups,
+              "kernels/cuda/decode.py constants differ");
 #endif
 
 struct Tile {           // one 16-token tile as one lane holds it

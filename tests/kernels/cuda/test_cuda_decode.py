@@ -76,8 +76,11 @@ def test_decode_matches_reference(seq_lens, s, h, group, splits, fmt, variant):
 @pytest.mark.parametrize("seq_lens,s,h,group,splits", [
     ((5, 64, 33, 1000), 16, 2, 4, 3),
     ((100, 17, 300), 64, 2, 4, 1),
-    ((9000, 3), 16, 2, 4, 70),
-    ((40000,), 16, 1, 8, 80),    # 80 splits of one head: three rounds of 32 in the combine
+    ((9000, 3), 16, 2, 4, 16),   # one level, the largest
+    ((9000, 3), 16, 2, 4, 17),   # two levels: a group of 16 and a group of one
+    ((9000, 3), 16, 2, 4, 70),   # the short sequence: whole groups of empty splits
+    ((40000,), 16, 1, 8, 80),    # 80 splits of one head: five groups of 16
+    ((60000,), 16, 1, 4, 256),   # the fused combine's capacity: 16 groups of 16
 ])
 @pytest.mark.parametrize("fmt", ["nvfp4", "fp8_e4m3"])
 @pytest.mark.gpu
@@ -210,6 +213,7 @@ def test_import_builds_nothing():
     (dict(out=torch.empty(2, 8, 64)), "out must be"),
     (dict(variant=5), "variant"),
     (dict(combine="atomic"), "combine must be one of"),
+    (dict(combine="fused", num_splits=257), "takes up to 256 splits"),
     (dict(num_splits=0), "num_splits"),
     (dict(fmt="fp8_e4m3", variant=VARIANTS[0]), "variant must be one of"),
     (dict(variant=FP8_VARIANTS[0]), "variant must be one of"),
