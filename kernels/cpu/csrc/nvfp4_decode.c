@@ -176,6 +176,55 @@ static inline void v_accumulate(const float *w, int64_t stride, int g, int d,
 #endif
 }
 
+#ifdef __AVX512F__
+/* exp(x) for x <= 0 (scores minus their max): 2^n * exp(r), n = round(x / ln 2), r = x - n ln 2
+ * in two parts, exp(r) by its Taylor polynomial to r^7 (|r| <= ln 2 / 2: error below 1e-8
+ * relative, under half an fp32 ulp), scaled by 2^n with scalef (exact; underflows to 0). */
+static inline __m512 exp_neg(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-06f), r);
+    static const float c[8] = {1.0f / 5040, 1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f,
+                               1.0f, 1.0f};
+    __m512 p = _mm512_set1_ps(c[0]);
+    for (int i = 1; i < 8; i++) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c[i]));
+    return _mm512_scalef_ps(p, n);
+}
+#endif
+
+/* One query row's scores sc [n] -> softmax weights, in place. */
+static void softmax_row(float *sc, int64_t n) {
+    float mx = -INFINITY, sum = 0.0f;
+    int64_t j = 0;
+#ifdef __AVX512F__
+    __m512 vmx = _mm512_set1_ps(-INFINITY);
+    for (; j + 16 <= n; j += 16) vmx = _mm512_max_ps(vmx, _mm512_loadu_ps(sc + j));
+    mx = _mm512_reduce_max_ps(vmx);
+    for (int64_t t = j; t < n; t++) mx = fmaxf(mx, sc[t]);
+    const __m512 m = _mm512_set1_ps(mx);
+    __m512 vs = _mm512_setzero_ps();
+    for (j = 0; j + 16 <= n; j += 16) {
+        __m512 e = exp_neg(_mm512_sub_ps(_mm512_loadu_ps(sc + j), m));
+        _mm512_storeu_ps(sc + j, e);
+        vs = _mm512_add_ps(vs, e);
+    }
+    if (j < n) {
+        const __mmask16 k = (__mmask16)((1u << (n - j)) - 1u);
+        __m512 e = exp_neg(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sc + j), m));
+        _mm512_mask_storeu_ps(sc + j, k, e);
+        vs = _mm512_add_ps(vs, _mm512_maskz_mov_ps(k, e));
+    }
+    sum = _mm512_reduce_add_ps(vs);
+#else
+    for (; j < n; j++) mx = fmaxf(mx, sc[j]);
+    for (j = 0; j < n; j++) { sc[j] = expf(sc[j] - mx); sum += sc[j]; }
+#endif
+    float inv = 1.0f / sum;
+    for (j = 0; j < n; j++) sc[j] *= inv;
+}
+
 /* Attention of the G query rows q [G][D] of one KV head over positions lo..hi into
  * out [G][D] (contiguous). */
 static void attend(const float *q, int g, int d, int s, const uint8_t *pool, int64_t page_stride,
@@ -191,13 +240,7 @@ static void attend(const float *q, int g, int d, int s, const uint8_t *pool, int
         k_scores(q, g, d, page + sec[0] + r * cb, page + sec[2] + r * sb, gs_k, sm_scale, row,
                  scores + j, n);
     }
-    for (int i = 0; i < g; i++) {
-        float *sc = scores + i * n, mx = -INFINITY, sum = 0.0f;
-        for (int64_t j = 0; j < n; j++) mx = fmaxf(mx, sc[j]);
-        for (int64_t j = 0; j < n; j++) { sc[j] = expf(sc[j] - mx); sum += sc[j]; }
-        float inv = 1.0f / sum;
-        for (int64_t j = 0; j < n; j++) sc[j] *= inv;
-    }
+    for (int i = 0; i < g; i++) softmax_row(scores + i * n, n);
     memset(out, 0, sizeof(float) * (size_t)g * d);
     for (int64_t j = 0; j < n; j++) {
         int64_t p = lo + j;
