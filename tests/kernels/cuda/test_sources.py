@@ -67,6 +67,8 @@ def test_compile_flags_and_defines():
     assert kw["extra_cflags"] == ["-O2"]
     assert kw["extra_cuda_cflags"] == [
         "-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a",
+        f"-DNIBBLE_COUNTER_STRIDE={decode.COUNTER_STRIDE}",
+        f"-DNIBBLE_FUSED_CAPACITY={decode.FUSED_CAPACITY}",
         f"-DNIBBLE_HEAD_DIM={decode.HEAD_DIM}", f"-DNIBBLE_MAX_GROUP={decode.MAX_GROUP}",
         f"-DNIBBLE_WARPS_PER_CTA={decode.WARPS_PER_CTA}"]
     assert kw["name"].startswith("nibble_nvfp4_decode_")
@@ -78,6 +80,10 @@ def test_kernel_constants_match_python():
     assert m, "tile.cuh no longer states kD, kWarps, kMaxGroup on one line"
     assert tuple(map(int, m.groups())) == (decode.HEAD_DIM, decode.WARPS_PER_CTA,
                                            decode.MAX_GROUP)
+    m = re.search(r"constexpr int kSplitGroup = (\d+), kMaxSplitGroups = (\d+), "
+                  r"kCtrStride = 1 \+ kMaxSplitGroups;", _text("tile.cuh"))
+    assert m, "tile.cuh no longer states the split combine's group sizes on one line"
+    assert tuple(map(int, m.groups())) == (decode.SPLIT_GROUP, decode.MAX_SPLIT_GROUPS)
     guard = re.search(r"static_assert\(([^;]*)\);", _text("tile.cuh")).group(1)
     for macro in decode.KERNEL_CONSTANTS:
         assert macro in guard, f"tile.cuh does not check {macro}"
