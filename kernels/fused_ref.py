@@ -20,23 +20,25 @@ from .paged_ref import store_kv_ref
 
 
 def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                     eps: float, weight_offset: float = 0.0
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``s = x + residual`` (``x`` alone when ``residual`` is None), rounded to ``x.dtype``;
-    returns ``(rms_norm(s) * (weight + weight_offset), s)``, both ``[T, N]`` in ``x.dtype``.
+                     eps: float, weight_offset: float = 0.0,
+                     out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``s = x + residual`` (``x`` alone when ``residual`` is None), rounded to
+    ``residual.dtype``; returns ``(rms_norm(s) * (weight + weight_offset), s)``, both
+    ``[T, N]``, the first in ``out_dtype`` (default ``s.dtype``).
 
     The statistics are float32 over the rounded sum (what the unfused model computes).
     """
-    s = x if residual is None else (x.float() + residual.float()).to(x.dtype)
+    s = x if residual is None else (x.float() + residual.float()).to(residual.dtype)
     sf = s.float()
     normed = sf * torch.rsqrt(sf.square().mean(-1, keepdim=True) + eps)
-    return (normed * (weight.float() + weight_offset)).to(x.dtype), s
+    return (normed * (weight.float() + weight_offset)).to(out_dtype or s.dtype), s
 
 
-def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
-    """``[T, 2I]`` (gate columns first, then up) -> ``silu(gate) * up`` ``[T, I]``, same dtype."""
+def silu_mul_ref(gate_up: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``[T, 2I]`` (gate columns first, then up) -> ``silu(gate) * up`` ``[T, I]`` in
+    ``out_dtype`` (default: the input's)."""
     gate, up = gate_up.float().chunk(2, dim=-1)
-    return (torch.nn.functional.silu(gate) * up).to(gate_up.dtype)
+    return (torch.nn.functional.silu(gate) * up).to(out_dtype or gate_up.dtype)
 
 
 def _norm(x: torch.Tensor, w: torch.Tensor | None, eps: float, offset: float) -> torch.Tensor:

@@ -4,10 +4,10 @@ The C files include no torch header, so the system C compiler builds them in wel
 a second (the CUDA extension's torch-header build takes about a minute): a first
 ``nibble serve`` on a CPU does not wait for it. The library lands in
 ``$NIBBLE_CPU_KERNEL_DIR`` (default ``~/.cache/nibble/cpu_kernels``) under a name that
-hashes the sources, the flags, the compiler's version and the CPU model, so a changed
-source or another machine sharing the home directory gets its own build. A missing
-compiler or a failed build is reported once (:func:`load` returns None) and callers
-keep their torch path.
+hashes the source, the headers beside it, the flags, the compiler's version and the CPU
+model, so a changed source or another machine sharing the home directory gets its own
+build. A missing compiler or a failed build is reported once (:func:`load` returns None)
+and callers keep their torch path.
 
 ``-ffp-contract=off`` and no ``-ffast-math``: every fp32 operation rounds as written,
 which is what makes the quantizer bit-identical to the torch reference.
@@ -45,6 +45,8 @@ def _cpu_model() -> str:
 
 def _tag(cc: str, source: Path) -> str:
     h = hashlib.sha1(source.read_bytes())
+    for header in sorted(source.parent.glob("*.h")):        # what the sources may include
+        h.update(b"\0" + header.name.encode() + b"\0" + header.read_bytes())
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30)
     for part in (" ".join(CFLAGS), version.stdout, _cpu_model(), platform.machine()):
         h.update(b"\0" + part.encode())

@@ -34,7 +34,9 @@ _ARGTYPES = [_P, _I64, _P, _I64, _P, _I64, _P, _P,          # q, k, v (+ row str
              _P, _I64, _P,                                  # pool, page stride, section offsets
              _I, _I, _I, _I, _I,                            # B, H, G, D, S
              _P, _P, _I, _P, _P,                            # slots, page_ids, M, lo, hi
-             _F, _F, _F, _P]                                # k_scale, v_scale, sm_scale, out
+             _F, _F, _F, _P, _I, _I]                        # k_scale, v_scale, sm_scale, out,
+#                                                             in and out dtypes (0 fp32, 1 bf16)
+_IO_DTYPES = {torch.float32: 0, torch.bfloat16: 1}     # layer_qkv's rows and output
 RECIPE_KEYS = ("k_map", "k_bias", "k_shift", "q_map", "v_shift")
 
 
@@ -121,8 +123,10 @@ class DecodeStep:
         self.h, self.d, self.s = layout.num_kv_heads, layout.head_dim, layout.page_size
         self.ptrs = (pool.data_ptr(), pool.stride(0), _ints(slots, (b,), "slots"),
                      _ints(page_ids, (b, m), "page_ids"), _ints(hi, (b,), "hi"))
-        self._sections = _all_sections(layout)
+        self._sections = _all_sections(layout)          # kept alive: the pointers below
+        self._section_ptrs = [t.data_ptr() for t in self._sections]
         self._lo: dict = {}
+        self._rope: tuple | None = None     # (cos, sin, their checked pointers)
 
     def recipe(self, recipe: dict | None) -> tuple:
         """A layer's recipe tensors (see :func:`decode_nvfp4_cpu`) as checked pointers; keep
@@ -141,20 +145,60 @@ class DecodeStep:
             raise KernelInputError(f"q must be [{b}, Hq, {d}] with Hq % {h} == 0, got "
                                    f"{tuple(q.shape)}")
         sq, sk, sv = _rows(q, (b, hq, d), "q"), _rows(k, (b, h, d), "k"), _rows(v, (b, h, d), "v")
+        return self._run(layer, (q.data_ptr(), sq, k.data_ptr(), sk, v.data_ptr(), sv), hq, lo,
+                         k_scale, v_scale, recipe, rope)
+
+    def layer_qkv(self, layer: int, qkv: torch.Tensor, hq: int, lo: torch.Tensor,
+                  k_scale: float, v_scale: float, recipe: tuple = (None,) * 5,
+                  rope: tuple | None = None, out_dtype: torch.dtype = torch.float32
+                  ) -> torch.Tensor:
+        """:meth:`layer` straight from a QKV projection's output: ``qkv`` float32 or bf16
+        ``[B, (Hq + 2H) * D]`` (q heads, k heads, v heads) with unit inner stride, widened
+        row by row inside the call; the output ``[B, Hq, D]`` in ``out_dtype`` (float32 or
+        bf16, rounded once). One tensor checked instead of three views: the per-layer Python
+        of a decode step is most of its cost at a small model's few rows."""
+        b, d, h = self.b, self.d, self.h
+        w = (hq + 2 * h) * d
+        if not (hq > 0 and hq % h == 0 and qkv.dtype in _IO_DTYPES and qkv.is_cpu
+                and qkv.dim() == 2 and qkv.shape == (b, w) and qkv.stride(1) == 1
+                and out_dtype in _IO_DTYPES):
+            raise KernelInputError(f"qkv must be float32 or bfloat16 CPU [{b}, {w}] with unit "
+                                   f"inner stride (Hq = {hq}, a multiple of {h}) and out_dtype "
+                                   f"float32 or bfloat16, got {qkv.dtype} {tuple(qkv.shape)} "
+                                   f"{qkv.stride()} on {qkv.device}, out_dtype {out_dtype}")
+        p, rs, es = qkv.data_ptr(), qkv.stride(0), qkv.element_size()
+        return self._run(layer, (p, rs, p + es * hq * d, rs, p + es * (hq + h) * d, rs), hq, lo,
+                         k_scale, v_scale, recipe, rope, _IO_DTYPES[qkv.dtype],
+                         _IO_DTYPES[out_dtype])
+
+    def _rope_ptrs(self, rope: tuple | None) -> tuple:
+        """cos/sin pointers, checked once per pair of tensors (a step shares one pair)."""
+        if rope is None:
+            return (None, None)
+        if self._rope is None or self._rope[0] is not rope[0] or self._rope[1] is not rope[1]:
+            d, b = self.d, self.b
+            ptrs = tuple(_ptr(t, (b, 1, d) if t.dim() == 3 else (b, d), "cos/sin")
+                         for t in rope)
+            self._rope = (rope[0], rope[1], ptrs)
+        return self._rope[2]
+
+    def _run(self, layer: int, qkv_ptrs: tuple, hq: int, lo: torch.Tensor, k_scale: float,
+             v_scale: float, recipe: tuple, rope: tuple | None, in_dtype: int = 0,
+             out_dtype: int = 0) -> torch.Tensor:
+        b, d, h = self.b, self.d, self.h
         lp = self._lo.get(id(lo))
         if lp is None or lp[0] is not lo:
             lp = self._lo[id(lo)] = (lo, _ints(lo, (b,), "lo"))
-        cs = (None, None)
-        if rope is not None:
-            cs = tuple(_ptr(t, (b, 1, d) if t.dim() == 3 else (b, d), "cos/sin") for t in rope)
         pool, page_stride, slots, page_ids, hi = self.ptrs
-        out = torch.empty((b, hq, d), dtype=torch.float32)
+        out = torch.empty((b, hq, d), dtype=torch.bfloat16 if out_dtype else torch.float32)
         rc = self.lib.nb_decode_nvfp4(
-            q.data_ptr(), sq, k.data_ptr(), sk, v.data_ptr(), sv, *cs, *recipe, pool,
-            page_stride, self._sections[layer].data_ptr(), b, h, hq // h, d, self.s, slots,
-            page_ids, self.m, lp[1], hi, k_scale, v_scale, self.sm_scale, out.data_ptr())
+            *qkv_ptrs, *self._rope_ptrs(rope), *recipe, pool, page_stride,
+            self._section_ptrs[layer], b, h, hq // h, d, self.s, slots, page_ids, self.m,
+            lp[1], hi, k_scale, v_scale, self.sm_scale, out.data_ptr(), in_dtype, out_dtype)
         if rc == 1:
             raise NonFiniteInputError("NVFP4 quantize got NaN or inf input")
+        if rc == 3:
+            raise KernelInputError("decode_nvfp4_cpu: bad row or output dtype")
         if rc:
             raise MemoryError("decode_nvfp4_cpu: out of memory")
         return out

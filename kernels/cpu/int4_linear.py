@@ -108,7 +108,7 @@ def pack_int8(codes: torch.Tensor, scale: torch.Tensor) -> Int8Weight:
 
 
 def _check_x(x: torch.Tensor, in_features: int) -> None:
-    if x.device.type != "cpu" or x.dtype != torch.bfloat16:
+    if not x.is_cpu or x.dtype != torch.bfloat16:
         raise ValueError(f"x must be a bf16 CPU tensor, got {x.dtype} on {x.device}")
     if x.dim() != 2 or x.shape[1] != in_features:
         raise ValueError(f"x must be [M, {in_features}], got {tuple(x.shape)}")

@@ -48,6 +48,7 @@ WORKSPACE_BYTES = 256 * 2**20
 # Model dtypes whose decode steps the C kernel takes (it computes in fp32; bf16 and fp16 rows
 # are widened for the call).
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_C_IO = (torch.float32, torch.bfloat16)     # rows the C call reads and writes as they are
 
 
 @register_backend("torch_fast")
@@ -146,18 +147,22 @@ class FastTorchAttentionBackend(TorchAttentionBackend):
     def forward_fused(self, layer: int, inp: QKVInput, meta: AttentionMetadata
                       ) -> torch.Tensor | None:
         """A pure decode step's attention straight from the QKV output (RoPE in the C call);
-        None where the C kernel does not take this step (QK-norm, a mixed step). A bf16 or
-        fp16 model's rows are widened to fp32 for the call (a few KB per step) and the output
-        rounded back: the C kernel computes in fp32 either way."""
+        None where the C kernel does not take this step (QK-norm, a mixed step). float32 or
+        bf16 rows go in as they are; the output comes back in ``inp.out_dtype`` where that is
+        float32 or bf16, else in qkv's dtype."""
         nd, qkv = self._nd, inp.qkv
         if nd is None or meta is not nd["meta"] or inp.q_norm is not None or \
                 qkv.dtype not in _NATIVE_DTYPES or not qkv.is_contiguous():
             return None
-        hq, h, d = inp.num_heads, inp.num_kv_heads, inp.head_dim
-        q, k, v = (x.unflatten(1, (-1, d)) for x in qkv.float().split([hq * d, h * d, h * d], 1))
         if nd.get("rope", (None,))[0] is not inp.cos:     # the step's cos/sin: once, not per layer
             nd["rope"] = (inp.cos, inp.cos.float().contiguous(), inp.sin.float().contiguous())
-        return self._native(layer, q, k, v, nd["rope"][1:]).to(qkv.dtype)
+        want = inp.out_dtype or qkv.dtype
+        io = want if want in _C_IO else torch.float32
+        rows = qkv if qkv.dtype in _C_IO else qkv.float()
+        ks, vs = nd["scales"][layer]
+        out = nd["step"].layer_qkv(layer, rows, inp.num_heads, nd["lo"][self.window(layer)], ks,
+                                   vs, nd["recipe"][layer], nd["rope"][1:], io)
+        return out if out.dtype == want else out.to(want)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:

@@ -26,6 +26,9 @@ class QKVInput:
     q_norm: torch.Tensor | None       # [D] QK-norm gain of q (RMSNorm per head), or None
     k_norm: torch.Tensor | None       # [D] QK-norm gain of k, or None
     eps: float                        # the norms' epsilon
+    # the output's dtype, where it may differ from qkv's (a float32 model whose next projection
+    # multiplies bf16 rows asks for bf16); a backend may ignore it and return qkv's dtype
+    out_dtype: torch.dtype | None = None
 
 
 @runtime_checkable

@@ -16,8 +16,8 @@ residual separately) and SwiGLU's ``silu(gate) * up`` is one launch; the attenti
 callable may take the QKV output whole (``AttentionFn.fused``: QK-norm, RoPE, the K
 recipe and the KV store in one kernel). A decode step then runs ten kernels per
 layer. On the CPU (:meth:`CausalLM.set_cpu_layer_ops`, the engine's default there) the same
-fused forward runs each residual add + RMSNorm as one C call (``kernels/cpu/layer_ops.py``) and
-SiLU-and-mul on torch; off, the torch ops below run unchanged. Either way the attention
+fused forward runs each residual add + RMSNorm and SiLU-and-mul as one C call
+(``kernels/cpu/layer_ops.py``); off, the torch ops below run unchanged. Either way the attention
 callable may take the QKV output whole (the CPU decode kernel of ``kernels/cpu`` does RoPE
 itself), and declines (None) where it does not. With ``--quantization gguf`` a decode step's
 projections multiply by the GGUF's 4-bit codes (``weight_quant.py``).
@@ -109,11 +109,10 @@ class DecoderLayer(nn.Module):
         """:meth:`forward` on the fused kernels: ``(x, residual)`` ``[T, H]`` -> the MLP's
         output and the residual before it (their sum is what :meth:`forward` returns);
         ``residual`` None in the first layer. The Triton kernels, or with ``cpu_ops`` the C
-        residual add + RMSNorm of ``kernels/cpu/layer_ops.py`` and torch's SiLU-and-mul."""
+        ops of ``kernels/cpu/layer_ops.py`` (:meth:`_forward_cpu`)."""
         if cpu_ops:
-            from nibble.kernels.cpu.layer_ops import add_rms_norm
-        else:
-            from nibble.kernels.triton.layer_ops import add_rms_norm, silu_mul
+            return self._forward_cpu(x, residual, cos, sin, attn)
+        from nibble.kernels.triton.layer_ops import add_rms_norm, silu_mul
         a = self.arch
         t = x.shape[0]
         h, residual = add_rms_norm(x, residual, self.input_norm, a.rms_norm_eps)
@@ -121,11 +120,40 @@ class DecoderLayer(nn.Module):
         o = self.tp_reduce(self._linear(o.reshape(t, a.q_size), "o_weight", attn,
                                         self.o_bias_0))
         h, residual = add_rms_norm(o, residual, self.post_norm, a.rms_norm_eps)
-        if cpu_ops:
-            gate, up = self._gate_up(h, attn)
-            return self.tp_reduce(self._linear(F.silu(gate) * up, "down_weight", attn)), residual
         return self.tp_reduce(F.linear(silu_mul(F.linear(h, self.gate_up_weight)),
                                        self.down_weight)), residual
+
+    def _forward_cpu(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+                     sin: torch.Tensor, attn: AttentionFn) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`forward_fused` on the CPU's C ops. Where a projection multiplies the GGUF
+        codes (bf16 rows, ``weight_quant.py``), the op before it writes bf16 and the op after
+        it reads the bf16 product: in a float32 model these are the values that converting
+        around the projection gives, without the conversions (and the residual stays float32).
+        """
+        from nibble.kernels.cpu.layer_ops import add_rms_norm, silu_mul
+        a = self.arch
+        t = x.shape[0]
+        dec = is_decode_step(attn)
+        bf16 = lambda attr: self._packed_rows(attr, x, dec)  # noqa: E731
+        h, residual = add_rms_norm(x, residual, self.input_norm, a.rms_norm_eps,
+                                   out_dtype=bf16("qkv_weight"))
+        o = self._attend(self._linear(h, "qkv_weight", attn, self.qkv_bias), cos, sin, attn,
+                         bf16("o_weight"))
+        o = self.tp_reduce(self._linear(o.reshape(t, a.q_size), "o_weight", attn,
+                                        self.o_bias_0))
+        h, residual = add_rms_norm(o, residual, self.post_norm, a.rms_norm_eps,
+                                   out_dtype=bf16("gate_up_weight"))
+        gate, up = self._gate_up(h, attn)
+        act = silu_mul(gate, up, out_dtype=bf16("down_weight"))
+        return self.tp_reduce(self._linear(act, "down_weight", attn)), residual
+
+    def _packed_rows(self, attr: str, x: torch.Tensor, decode: bool) -> torch.dtype | None:
+        """bf16 where ``attr``'s projection multiplies its packed codes for ``x``'s rows (so
+        the op before it may write bf16), else None: the model's dtype. One rank only: a
+        tensor-parallel sum stays in the model's dtype."""
+        if self.tp.size == 1 and use_packed(self.packed.get(attr), x, decode):
+            return torch.bfloat16
+        return None
 
     def _gate_up(self, h: torch.Tensor, attn: AttentionFn) -> tuple[torch.Tensor, torch.Tensor]:
         """``silu``'s and ``up``'s inputs ``[T, I]`` from ``h [T, H]``. A small CPU batch (a
@@ -140,15 +168,19 @@ class DecoderLayer(nn.Module):
         return F.linear(h, self.gate_up_weight).chunk(2, dim=-1)
 
     def _attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attn: AttentionFn) -> torch.Tensor:
+                attn: AttentionFn, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """``[T, Hq, D]`` attention output from the QKV projection's output: the attention's
-        fused entry where it takes the step (the Triton kernels on CUDA, the C decode on CPU),
-        else the torch QK-norm and RoPE below and ``attn``."""
+        fused entry where it takes the step (the Triton kernels on CUDA, the C decode on CPU;
+        it may honour ``out_dtype``), else the torch QK-norm and RoPE below and ``attn`` in
+        the model's dtype (``qkv`` may be a bf16 product in a float32 model)."""
         a = self.arch
         o = fused_attention(attn, self.layer_id, QKVInput(
             qkv, a.num_heads, a.num_kv_heads, a.head_dim, cos, sin, self.q_norm, self.k_norm,
-            a.rms_norm_eps))
-        return self._attention(qkv, cos, sin, attn) if o is None else o
+            a.rms_norm_eps, out_dtype))
+        if o is not None:
+            return o
+        return self._attention(qkv if qkv.dtype == cos.dtype else qkv.to(cos.dtype), cos, sin,
+                               attn)
 
     def _attention(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    attn: AttentionFn) -> torch.Tensor:

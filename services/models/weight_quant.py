@@ -55,7 +55,7 @@ def use_packed(packed: PackedWeight | None, x: torch.Tensor, step_ok: bool = Tru
     """Whether ``x [M, K]`` goes through ``packed``: ``step_ok`` (the caller's rule, e.g. a
     decode step) and a float32 or bf16 CPU input of at most ``PACKED_MAX_ROWS`` rows."""
     return (step_ok and packed is not None and x.shape[0] <= PACKED_MAX_ROWS
-            and x.dtype in _DTYPES and x.device.type == "cpu")
+            and x.dtype in _DTYPES and x.is_cpu)
 
 
 def packed_linear(x: torch.Tensor, dense: torch.Tensor, packed: PackedWeight | None,
@@ -67,11 +67,12 @@ def packed_linear(x: torch.Tensor, dense: torch.Tensor, packed: PackedWeight | N
     planes summed in float32)."""
     if not use_packed(packed, x, step_ok):
         return F.linear(x, dense, bias)
-    xb = x.to(torch.bfloat16)
+    xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
     if isinstance(packed, Int8Weight):
         y = int8_linear(xb, packed, x.dtype)
     else:
-        y = int4_linear(xb, packed).to(x.dtype)
+        y = int4_linear(xb, packed)
+        y = y if y.dtype == x.dtype else y.to(x.dtype)
     return y if bias is None else y + bias
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from nibble.kernels import KernelInputError, NonFiniteInputError, PageLayout, quantize_nvfp4
-from nibble.kernels.cpu import available, decode_nvfp4_cpu, decode_nvfp4_ref
+from nibble.kernels.cpu import DecodeStep, available, decode_nvfp4_cpu, decode_nvfp4_ref
 from nibble.kernels.paged_ref import gather_rows_ref
 
 pytestmark = pytest.mark.skipif(not available(), reason="no C compiler")
@@ -114,3 +114,44 @@ def test_rejects_bad_arguments():
         decode_nvfp4_cpu(lay, pool, 0, **{**kw, "slots": kw["slots"].int()})
     with pytest.raises(KernelInputError):
         decode_nvfp4_cpu(PageLayout("fp8_e4m3", L, H, D, S), pool, 0, **kw)
+
+
+@pytest.mark.parametrize("rope", [False, True])
+@pytest.mark.parametrize("in_dtype,out_dtype", [(torch.float32, torch.float32),
+                                                (torch.bfloat16, torch.bfloat16),
+                                                (torch.bfloat16, torch.float32),
+                                                (torch.float32, torch.bfloat16)])
+def test_layer_qkv_equals_layer_in_either_dtype(rope, in_dtype, out_dtype):
+    """``DecodeStep.layer_qkv`` reads one QKV output (q, k, v heads side by side) in float32 or
+    bf16 and writes float32 or bf16: the same stored bytes as :meth:`layer` on the widened
+    views, and its output rounded once."""
+    lay, pool, kw = _case(3, [5, 17, 2], "map", rope)
+    qkv = torch.cat([kw[n].flatten(1) for n in "qkv"], 1).to(in_dtype)
+    q, k, v = (t.unflatten(1, (-1, D)) for t in qkv.float().split([H * G * D, H * D, H * D], 1))
+    steps, outs, pools = [], [], []
+    for use_qkv in (False, True):
+        p = pool.clone()
+        step = DecodeStep(lay, p, kw["slots"], kw["page_ids"], kw["hi"], kw["sm_scale"])
+        args = (kw["lo"], kw["k_scale"], kw["v_scale"], step.recipe(kw["recipe"]), kw["rope"])
+        outs.append(step.layer_qkv(1, qkv, H * G, *args, out_dtype=out_dtype) if use_qkv
+                    else step.layer(1, q, k, v, *args))
+        steps.append(step)
+        pools.append(p)
+    assert torch.equal(pools[0], pools[1])
+    assert outs[1].dtype == out_dtype and outs[1].shape == (3, H * G, D)
+    assert torch.equal(outs[1], outs[0].to(out_dtype))
+
+
+def test_layer_qkv_rejects_bad_rows():
+    lay, pool, kw = _case(2, [4, 6], None, False)
+    step = DecodeStep(lay, pool, kw["slots"], kw["page_ids"], kw["hi"], kw["sm_scale"])
+    args = (kw["lo"], kw["k_scale"], kw["v_scale"])
+    good = torch.zeros(2, (H * G + 2 * H) * D)
+    with pytest.raises(KernelInputError, match="qkv must be"):
+        step.layer_qkv(0, good.half(), H * G, *args)
+    with pytest.raises(KernelInputError, match="qkv must be"):
+        step.layer_qkv(0, good[:, :-1], H * G, *args)
+    with pytest.raises(KernelInputError, match="qkv must be"):
+        step.layer_qkv(0, good, H * G + 1, *args)
+    with pytest.raises(KernelInputError, match="out_dtype"):
+        step.layer_qkv(0, good, H * G, *args, out_dtype=torch.float16)

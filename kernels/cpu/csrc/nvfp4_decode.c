@@ -8,24 +8,25 @@
  * and the attention sums differ from torch only in summation order.
  *
  * Layouts (all row-major, fp32 unless stated):
- *   q rows  [B][Hq*D] with row stride q_stride (floats); k, v rows [B][H*D] likewise
+ *   q rows  [B][Hq*D] with row stride q_stride (elements); k, v rows [B][H*D] likewise;
+ *           float32, or bf16 (raw uint16) with in_dtype 1
  *   cos/sin [B][D] (NULL: q and k already rotated)
  *   k_map/q_map [H][D][D], k_bias/k_shift/v_shift [H][D] (NULL: absent)
  *   pool: uint8 pages of page_stride bytes; sec[4] = byte offsets, inside a page, of
  *         this layer's K data [H][S][D/2], V data, K scales [H][S][D/16], V scales
  *   slots [B] = page * S + offset of each new row; page_ids [B][M]; lo/hi [B]: the
  *         positions lo..hi (hi = the new row's) each query attends to
- *   out [B][Hq*D]
- * Returns 0, or 1 when a transformed K or V value is not finite (nothing written).
+ *   out [B][Hq*D], float32, or bf16 with out_dtype 1 (rounded once, after the V shift)
+ * Returns 0, 1 when a transformed K or V value is not finite (nothing written), 2 when out of
+ * memory, 3 for a bad dtype.
  */
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
+#include "bf16.h"
+#include "simd_exp.h"
 
 #define BLOCK 16
 
@@ -176,23 +177,6 @@ static inline void v_accumulate(const float *w, int64_t stride, int g, int d,
 #endif
 }
 
-#ifdef __AVX512F__
-/* exp(x) for x <= 0 (scores minus their max): 2^n * exp(r), n = round(x / ln 2), r = x - n ln 2
- * in two parts, exp(r) by its Taylor polynomial to r^7 (|r| <= ln 2 / 2: error below 1e-8
- * relative, under half an fp32 ulp), scaled by 2^n with scalef (exact; underflows to 0). */
-static inline __m512 exp_neg(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-06f), r);
-    static const float c[8] = {1.0f / 5040, 1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f,
-                               1.0f, 1.0f};
-    __m512 p = _mm512_set1_ps(c[0]);
-    for (int i = 1; i < 8; i++) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c[i]));
-    return _mm512_scalef_ps(p, n);
-}
-#endif
 
 /* One query row's scores sc [n] -> softmax weights, in place. */
 static void softmax_row(float *sc, int64_t n) {
@@ -251,34 +235,44 @@ static void attend(const float *q, int g, int d, int s, const uint8_t *pool, int
     }
 }
 
-int nb_decode_nvfp4(const float *q, int64_t q_stride, const float *k, int64_t k_stride,
-                    const float *v, int64_t v_stride, const float *cos, const float *sin,
+/* Row `off` of a float32 or bf16 (dtype 1) tensor as float32: the row itself, or `tmp`. */
+static const float *row_f32(const void *base, int64_t off, int dtype, int d, float *tmp) {
+    if (!dtype) return (const float *)base + off;
+    for (int e = 0; e < d; e++) tmp[e] = bf16_load((const uint16_t *)base + off + e);
+    return tmp;
+}
+
+int nb_decode_nvfp4(const void *q, int64_t q_stride, const void *k, int64_t k_stride,
+                    const void *v, int64_t v_stride, const float *cos, const float *sin,
                     const float *k_map, const float *k_bias, const float *k_shift,
                     const float *q_map, const float *v_shift,
                     uint8_t *pool, int64_t page_stride, const int64_t *sec,
                     int b_n, int h_n, int g_n, int d, int s,
                     const int64_t *slots, const int64_t *page_ids, int m,
                     const int64_t *lo, const int64_t *hi,
-                    float gs_k, float gs_v, float sm_scale, float *out) {
+                    float gs_k, float gs_v, float sm_scale, void *out, int in_dtype,
+                    int out_dtype) {
+    if ((in_dtype != 0 && in_dtype != 1) || (out_dtype != 0 && out_dtype != 1)) return 3;
     if (!ready) init_tables();
     int hq = h_n * g_n, cb = d / 2, sb = d / BLOCK;
     size_t qn = (size_t)hq * d, kn = (size_t)h_n * d;
-    float *buf = malloc(sizeof(float) * ((size_t)b_n * (qn + 2 * kn) + 2 * d));
+    float *buf = malloc(sizeof(float) * ((size_t)b_n * (qn + 2 * kn) + 4 * d));
     if (!buf) return 2;
     float *qt = buf, *kt = qt + (size_t)b_n * qn, *vt = kt + (size_t)b_n * kn;
-    float *tmp = vt + (size_t)b_n * kn, *tmp2 = tmp + d;
+    float *tmp = vt + (size_t)b_n * kn, *tmp2 = tmp + d, *wide = tmp2 + d, *wide2 = wide + d;
     int bad = 0;
     for (int b = 0; b < b_n; b++) {                 /* q, k, v as the store and SDPA see them */
         const float *cs = cos ? cos + (size_t)b * d : NULL, *sn = sin ? sin + (size_t)b * d : NULL;
         for (int hh = 0; hh < hq; hh++) {
-            const float *x = q + b * q_stride + (size_t)hh * d;
+            const float *x = row_f32(q, b * q_stride + (int64_t)hh * d, in_dtype, d, wide);
             float *o = qt + b * qn + (size_t)hh * d;
             if (cs) { rope(x, cs, sn, d, tmp); x = tmp; }
             if (q_map) row_matmul(x, q_map + (size_t)(hh / g_n) * d * d, NULL, d, o);
             else memcpy(o, x, sizeof(float) * d);
         }
         for (int hh = 0; hh < h_n; hh++) {
-            const float *x = k + b * k_stride + (size_t)hh * d, *y = v + b * v_stride + (size_t)hh * d;
+            const float *x = row_f32(k, b * k_stride + (int64_t)hh * d, in_dtype, d, wide);
+            const float *y = row_f32(v, b * v_stride + (int64_t)hh * d, in_dtype, d, wide2);
             float *ko = kt + b * kn + (size_t)hh * d, *vo = vt + b * kn + (size_t)hh * d;
             if (cs) { rope(x, cs, sn, d, tmp2); x = tmp2; }
             if (k_map) row_matmul(x, k_map + (size_t)hh * d * d, k_bias + (size_t)hh * d, d, ko);
@@ -301,17 +295,20 @@ int nb_decode_nvfp4(const float *q, int64_t q_stride, const float *k, int64_t k_
     }
     int64_t nmax = 1;
     for (int b = 0; b < b_n; b++) if (hi[b] - lo[b] + 1 > nmax) nmax = hi[b] - lo[b] + 1;
-    float *scores = malloc(sizeof(float) * (size_t)(nmax * g_n + d));
+    float *scores = malloc(sizeof(float) * (size_t)(nmax * g_n + d + g_n * d));
     if (!scores) { free(buf); return 2; }
     for (int b = 0; b < b_n; b++)
         for (int hh = 0; hh < h_n; hh++) {
-            float *o = out + (size_t)b * qn + (size_t)hh * g_n * d;
+            size_t at = (size_t)b * qn + (size_t)hh * g_n * d;
+            float *o = out_dtype ? scores + nmax * g_n + d : (float *)out + at;
             attend(qt + b * qn + (size_t)hh * g_n * d, g_n, d, s, pool, page_stride, sec,
                    page_ids + (size_t)b * m, hh, lo[b], hi[b], gs_k, gs_v, sm_scale,
                    scores, scores + nmax * g_n, o);
             if (v_shift)                            /* the recipe's finish */
                 for (int i = 0; i < g_n; i++)
                     for (int e = 0; e < d; e++) o[i * d + e] = o[i * d + e] + v_shift[hh * d + e];
+            if (out_dtype)
+                for (int e = 0; e < g_n * d; e++) ((uint16_t *)out)[at + e] = bf16_round(o[e]);
         }
     free(scores);
     free(buf);

@@ -167,3 +167,38 @@ def test_gemma_keeps_dense_weights():
     model = Gemma3CausalLM(tiny_arch("gemma3", qk_norm=True))
     assert weight_quant.pack_gguf_weights(model, GGUFFile(GGUF_PATH)).packed == 0
     assert model.packed_lm_head is None
+
+
+def test_float32_decode_step_on_the_c_ops_hands_bf16_rows_over(monkeypatch):
+    """A float32 model's decode step on the C layer ops: each op before a packed projection
+    writes its bf16 input and each op after it reads the bf16 product: bit for bit what the
+    same C ops give on float32 rows converted around each projection. Prompts keep float32
+    rows throughout; the torch layers give the same tokens."""
+    from nibble.kernels.cpu import layer_ops
+    from nibble.services.models.llama import DecoderLayer
+    lm = load_model(None, torch.float32, CPU, quantization="gguf")
+    ids, pos = torch.tensor([1, 9690, 198, 2683, 359, 253]), torch.arange(6)
+    attn = VarlenCausalAttention(lm.arch.sm_scale)
+    seen = []
+    real = layer_ops.silu_mul
+    monkeypatch.setattr(layer_ops, "silu_mul",
+                        lambda *a, **k: seen.append(k.get("out_dtype")) or real(*a, **k))
+    with torch.no_grad():
+        ref = lm.model(ids, pos, _Step(True, attn))                 # the torch layers
+        lm.model.set_cpu_layer_ops(True)
+        got = lm.model(ids, pos, _Step(True, attn))
+        assert set(seen) == {torch.bfloat16} and len(seen) == lm.arch.num_layers
+        seen.clear()
+        lm.model(ids, pos, _Step(False, attn))
+        assert set(seen) == {None}
+        with monkeypatch.context() as m:          # float32 rows, converted by packed_linear
+            m.setattr(DecoderLayer, "_packed_rows", lambda *a: None)
+            converted = lm.model(ids, pos, _Step(True, attn))
+        assert torch.equal(got, converted)
+        lm.model.set_cpu_layer_ops(False)
+        rl, gl = lm.model.compute_logits(ref), lm.model.compute_logits(got)
+    assert got.dtype == torch.float32
+    # against the torch layers: the C norm's summation order can move a bf16 rounding by one
+    # unit (0.4%), which the layers after it carry: measured 0.43% of the largest value
+    assert (got - ref).abs().max() / ref.abs().max() < 1e-2
+    assert torch.equal(rl.argmax(-1), gl.argmax(-1))

@@ -1,0 +1,24 @@
+/* A 16-wide exp for the CPU kernels of this directory (included, not built alone).
+ * build.py hashes the headers here with each source, so a change rebuilds its users. */
+#ifndef NIBBLE_SIMD_EXP_H
+#define NIBBLE_SIMD_EXP_H
+#ifdef __AVX512F__
+#include <immintrin.h>
+
+/* exp(x) for x <= 0 (scores minus their max): 2^n * exp(r), n = round(x / ln 2), r = x - n ln 2
+ * in two parts, exp(r) by its Taylor polynomial to r^7 (|r| <= ln 2 / 2: error below 1e-8
+ * relative, under half an fp32 ulp), scaled by 2^n with scalef (exact; underflows to 0). */
+static inline __m512 exp_neg(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-06f), r);
+    static const float c[8] = {1.0f / 5040, 1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f,
+                               1.0f, 1.0f};
+    __m512 p = _mm512_set1_ps(c[0]);
+    for (int i = 1; i < 8; i++) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c[i]));
+    return _mm512_scalef_ps(p, n);
+}
+#endif
+#endif
