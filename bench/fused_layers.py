@@ -1,9 +1,9 @@
 """The fused decoder-layer kernels against the torch ops they replace (CUDA, graph replay).
 
 Per decode step of the Qwen3-8B shape (hidden 4096, MLP 12288, 32 query / 8 KV heads,
-head_dim 128, bf16) at batch sizes 16 and 64 (and prefill sizes with ``--batch``: from
-``qkv.LONG_INPUT`` tokens the qkv kernel's long-input tiles are timed against its 16-token
-ones as ``fused_t16``), each variant captured in a CUDA graph
+head_dim 128, bf16) at batch sizes 16 and 64 (and prompt sizes with ``--batch``: from
+``qkv.LONG_INPUT`` tokens the qkv kernel runs as a prefill step calls it, at each tile size,
+see ``_prompt_cases``), each variant captured in a CUDA graph
 and timed over replays (median, ``triton.testing.do_bench_cudagraph``):
 
 * ``qkv``: QK-norm + RoPE + the K recipe (``(k - c) @ M``, ``q @ M^-T``) + the NVFP4
@@ -69,11 +69,34 @@ def _qkv_cases(b: int, fmt: str, dev) -> dict:
                               k_shift=p32.k_shift[0], k_map=maps.k_map[0], q_map=maps.q_map[0],
                               tokens_per_program=tiles, split_halves=split)
     cases = {"unfused": unfused, "fused": fused}
-    if b >= LONG_INPUT:          # the long-input tiles against the decode-sized ones
-        cases["fused_t16"] = lambda: fused(16)
+    if b >= LONG_INPUT:
+        cases = {"unfused": unfused, **_prompt_cases(layout, pages, qkv, cos, sin, slots, gs,
+                                                     qn, kn, p32, p16, fmt)}
     else:                        # one program per head (no split), then also fp32 maps
         cases["fused_unsplit"] = lambda: fused(split=False)
         cases["fused_unsplit_f32maps"] = lambda: fused(split=False, maps=p32)
+    return cases
+
+
+def _prompt_cases(layout, pages, qkv, cos, sin, slots, gs, qn, kn, p32, p16, fmt) -> dict:
+    """A prompt's QKV kernel as a prefill step calls it (writing the fresh K/V rows for the
+    attention too), at each tile size: ``fused`` is the default tile. NVFP4 with its recipe
+    (``recipe_t*``: q' and K' out) and as fresh prompts take it (``raw_t*``: q unmapped, the
+    rows before the recipe out, see ``qkv_rope_store(raw_kv_out=)``); FP8 as served (no
+    recipe, ``plain_t*``)."""
+    t = qkv.shape[0]
+    kv = [torch.empty(t, H, D, device=qkv.device, dtype=qkv.dtype) for _ in range(2)]
+
+    def call(tiles, **kw):
+        return qkv_rope_store(layout, pages, qkv, HQ, cos, sin, slots, gs, gs, qn, kn, EPS,
+                              k_out=kv[0], v_out=kv[1], tokens_per_program=tiles, **kw)
+    recipe = dict(k_shift=p32.k_shift[0], k_map=p16.k_map[0], q_map=p16.q_map[0])
+    kinds = {"recipe": recipe, "raw": {**recipe, "q_map": None, "raw_kv_out": True}} \
+        if fmt == "nvfp4" else {"plain": {}}
+    cases = {"fused": lambda: call(None, **kinds.get("raw", {}))}
+    for name, kw in kinds.items():
+        for tiles in (16, 32, 64):
+            cases[f"{name}_t{tiles}"] = lambda tiles=tiles, kw=kw: call(tiles, **kw)
     return cases
 
 

@@ -39,16 +39,20 @@ from ._qkv_parts import (_load_halves, _norm_rope, _store_out, _store_parts, _tr
                          _vec_halves)
 
 TOKENS = 16          # tokens per program for short inputs (the MMA's M dimension)
-# Long inputs (prefill chunks) take more tokens per program: every program loads its head's
-# D x D map (64 KB in fp32 at D 128, 32 KB in bf16 as the GPU path passes it), so 16-token
-# programs re-read it from L2 once per 16 tokens; (tokens per program, warps) by the input's
-# token count.
+# Long inputs (prefill chunks) with a map take 32 tokens per program: every program loads its
+# head's D x D map (32 KB in bf16 as the GPU path passes it), which 16-token programs re-read
+# from L2 twice as often; 64-token programs (8 warps) were slower still. Without a map 16 is
+# fastest. Measured on an H200 at 2K-32K tokens (docs/benchmarks.md, "The query map of a fresh
+# prompt"). (tokens per program, warps):
 LONG_INPUT = 512
 TILE_CHOICES = {16: 4, 32: 4, 64: 8}
-LONG_TOKENS = 64
+LONG_TOKENS = 32
 
 
-@triton.jit(do_not_specialize=["n_tok"])
+# kgs/vgs: layer i's global scales are elements of one [L, 2] fp32 tensor, so their addresses
+# alternate between 16-byte aligned and not from layer to layer; specialized on that, every
+# variant would compile twice, the second time inside a served step
+@triton.jit(do_not_specialize=["n_tok", "kgs_ptr", "vgs_ptr"])
 def _qkv_kernel(qkv_ptr, cos_ptr, sin_ptr, slot_ptr, q_out_ptr, qn_ptr, kn_ptr, eps, w_off,
                 kshift_ptr, kmap_ptr, qmap_ptr, vshift_ptr, kd_ptr, ks_ptr, vd_ptr, vs_ptr,
                 kgs_ptr, vgs_ptr, kout_ptr, vout_ptr, n_tok, SX: tl.constexpr, SC: tl.constexpr,
@@ -63,10 +67,11 @@ def _qkv_kernel(qkv_ptr, cos_ptr, sin_ptr, slot_ptr, q_out_ptr, qn_ptr, kn_ptr, 
                 K_FMT: tl.constexpr, V_FMT: tl.constexpr, HW: tl.constexpr,
                 DOT_BF16: tl.constexpr, HAS_KV_OUT: tl.constexpr, SKO_T: tl.constexpr,
                 SKO_H: tl.constexpr, SVO_T: tl.constexpr, SVO_H: tl.constexpr,
-                BT: tl.constexpr, SPLIT: tl.constexpr):
+                BT: tl.constexpr, SPLIT: tl.constexpr, UNMAPPED_K_OUT: tl.constexpr):
     """Program ``(tile of BT tokens, h, z)``: query head ``h * G + z // SPLIT``
     (``z // SPLIT < G``), or K and V of head ``h`` (and, with ``HAS_KV_OUT``, their
-    transformed rows into ``kout``/``vout``); with ``SPLIT == 2`` only output half
+    transformed rows into ``kout``/``vout``; with ``UNMAPPED_K_OUT`` K's row goes out before
+    the map, shifted); with ``SPLIT == 2`` only output half
     ``z % 2`` of that head (every program still reads both input halves: the norm and RoPE
     need them)."""
     D = 2 * HALF
@@ -92,6 +97,9 @@ def _qkv_kernel(qkv_ptr, cos_ptr, sin_ptr, slot_ptr, q_out_ptr, qn_ptr, kn_ptr, 
         if HAS_KSHIFT:
             c0, c1 = _vec_halves(kshift_ptr + h * D, HALF)
             lo, hi = lo - c0, hi - c1
+        if HAS_KV_OUT and UNMAPPED_K_OUT:          # written now: not kept live across the map
+            ra, rb = _transform(lo, hi, kmap_ptr, part, False, SPLIT, HALF, DOT_BF16)
+            _store_out(kout_ptr, t * SKO_T + h * SKO_H, ra, rb, part, tmask, HALF, SPLIT)
         ka, kb = _transform(lo, hi, kmap_ptr + h * D * D, part, HAS_KMAP, SPLIT, HALF,
                             DOT_BF16)
         v_lo, v_hi = _load_halves(qkv_ptr, t * SX + (HQ + H + h) * D, tmask, HALF)
@@ -100,7 +108,8 @@ def _qkv_kernel(qkv_ptr, cos_ptr, sin_ptr, slot_ptr, q_out_ptr, qn_ptr, kn_ptr, 
             v_lo, v_hi = v_lo - c0, v_hi - c1
         va, vb = _transform(v_lo, v_hi, vshift_ptr, part, False, SPLIT, HALF, DOT_BF16)
         if HAS_KV_OUT:
-            _store_out(kout_ptr, t * SKO_T + h * SKO_H, ka, kb, part, tmask, HALF, SPLIT)
+            if not UNMAPPED_K_OUT:
+                _store_out(kout_ptr, t * SKO_T + h * SKO_H, ka, kb, part, tmask, HALF, SPLIT)
             _store_out(vout_ptr, t * SVO_T + h * SVO_H, va, vb, part, tmask, HALF, SPLIT)
         slot = tl.load(slot_ptr + t, mask=tmask, other=-1)
         rmask = tmask & (slot >= 0)
@@ -165,7 +174,7 @@ def qkv_rope_store(layout: PageLayout, pages: LayerPages, qkv: torch.Tensor, num
                    *, out: torch.Tensor | None = None, k_out: torch.Tensor | None = None,
                    v_out: torch.Tensor | None = None,
                    tokens_per_program: int | None = None,
-                   split_halves: bool | None = None) -> torch.Tensor:
+                   split_halves: bool | None = None, unmapped_kv_out: bool = False) -> torch.Tensor:
     """QK-norm, RoPE, the K recipe and the K/V store from ``qkv`` in one launch; returns q'.
 
     Args:
@@ -185,8 +194,12 @@ def qkv_rope_store(layout: PageLayout, pages: LayerPages, qkv: torch.Tensor, num
         k_out, v_out: optional ``[T, H, D]`` float tensors (unit inner stride, both or
             neither) that also receive K' and ``v - v_shift`` as stored (before quantization):
             the fresh keys and values of a prefill's attention.
-        tokens_per_program: 16, 32 or 64 (benchmarks); default 16 below ``LONG_INPUT`` tokens,
-            ``LONG_TOKENS`` from there.
+        unmapped_kv_out: ``k_out`` receives ``rope(norm(k)) - k_shift``, K before the map
+            (the pages still get K'). A prefill chunk with no cached prefix and no decode
+            rows may attend over these keys with q unmapped (``q_map`` None): ``q . (k - c)
+            = q' . K'``, the same scores without the ``[T, Hq, D] x [D, D]`` query map.
+        tokens_per_program: 16, 32 or 64 (benchmarks); default ``LONG_TOKENS`` from
+            ``LONG_INPUT`` tokens with a map, else 16.
         split_halves: one program per output half of each head (twice the programs, each
             reading half of its head's map and storing half the head: a shorter critical
             path for decode-sized inputs) instead of one per head. Default: below
@@ -216,8 +229,11 @@ def qkv_rope_store(layout: PageLayout, pages: LayerPages, qkv: torch.Tensor, num
         raise KernelInputError(f"out must be a float [{t}, {num_heads}, {d}] on {device} with "
                                f"unit inner stride, got {out.dtype} {tuple(out.shape)}")
     _check_kv_out(k_out, v_out, (t, h, d), device)
+    if unmapped_kv_out and k_out is None:
+        raise KernelInputError("unmapped_kv_out needs k_out and v_out")
     if tokens_per_program is None:
-        tokens_per_program = TOKENS if t < LONG_INPUT else LONG_TOKENS
+        mapped = k_map is not None or q_map is not None
+        tokens_per_program = LONG_TOKENS if t >= LONG_INPUT and mapped else TOKENS
     elif tokens_per_program not in TILE_CHOICES:
         raise KernelInputError(f"tokens_per_program must be one of {sorted(TILE_CHOICES)}, got "
                                f"{tokens_per_program}")
@@ -226,7 +242,7 @@ def qkv_rope_store(layout: PageLayout, pages: LayerPages, qkv: torch.Tensor, num
     split = (t < LONG_INPUT) if split_halves is None else bool(split_halves)
     _launch(layout, pages, qkv, num_heads, cos, sin, slot_mapping, k_scale, v_scale,
             (q_norm, k_norm, k_shift, k_map, q_map, v_shift), eps, norm_offset, out,
-            (k_out, v_out), tokens_per_program, 2 if split else 1)
+            (k_out, v_out), tokens_per_program, 2 if split else 1, unmapped_kv_out)
     return out
 
 
@@ -244,7 +260,7 @@ def _check_kv_out(k_out: torch.Tensor | None, v_out: torch.Tensor | None,
 def _launch(layout: PageLayout, pages: LayerPages, qkv: torch.Tensor, num_heads: int,
             cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, k_scale, v_scale,
             params: tuple, eps: float, norm_offset: float, out: torch.Tensor,
-            kv_out: tuple, bt: int, split: int) -> None:
+            kv_out: tuple, bt: int, split: int, unmapped_kv_out: bool = False) -> None:
     """Launch :func:`_qkv_kernel` on checked arguments (``params`` = q_norm, k_norm,
     k_shift, k_map, q_map, v_shift, each a tensor or None; ``kv_out`` = k_out, v_out)."""
     device = qkv.device
@@ -270,5 +286,30 @@ def _launch(layout: PageLayout, pages: LayerPages, qkv: torch.Tensor, num_heads:
         **dict(zip(names, strides)), HQ=num_heads, H=h, HALF=d // 2, PAGE=layout.page_size,
         **has, K_FMT=kf, V_FMT=vf, HW=hw_fp8(device), DOT_BF16=device.type == "cuda",
         HAS_KV_OUT=kv_out[0] is not None, SKO_T=ko.stride(0), SKO_H=ko.stride(1),
-        SVO_T=vo.stride(0), SVO_H=vo.stride(1), BT=bt, SPLIT=split, num_warps=TILE_CHOICES[bt],
+        SVO_T=vo.stride(0), SVO_H=vo.stride(1), BT=bt, SPLIT=split, UNMAPPED_K_OUT=unmapped_kv_out,
+        num_warps=TILE_CHOICES[bt],
         enable_fp_fusion=False)
+
+
+def warm_long_inputs(layout: PageLayout, pages: LayerPages, num_heads: int,
+                     dtype: torch.dtype, qk_norm: bool, params: dict, k_scale, v_scale,
+                     device: torch.device) -> int:
+    """Compiles the prompt-sized variants of :func:`qkv_rope_store` (``LONG_INPUT`` tokens
+    and up, with ``k_out``/``v_out``) that a server's steps will launch: with ``params`` (the
+    recipe's k_shift/k_map/q_map/v_shift as the steps pass them) and, where there is a query
+    map, the fresh-prompt form without it (``unmapped_kv_out``). Every slot is -1, so nothing
+    is stored. A Triton compile costs a second or more, which would otherwise fall into the
+    first long prompt's step of each kind. Returns the number of variants launched."""
+    t, h, d = LONG_INPUT, layout.num_kv_heads, layout.head_dim
+    qkv = torch.zeros(t, (num_heads + 2 * h) * d, dtype=dtype, device=device)
+    rope = torch.ones(t, 1, d, dtype=dtype, device=device)    # as RotaryCache.lookup gives it
+    norm = torch.ones(d, dtype=dtype, device=device) if qk_norm else None
+    slots = torch.full((t,), -1, dtype=torch.long, device=device)
+    kv = {n: torch.empty(t, h, d, dtype=dtype, device=device) for n in ("k_out", "v_out")}
+    variants = [(params, False)]
+    if params.get("q_map") is not None:
+        variants.append(({**params, "q_map": None}, True))
+    for p, unmapped in variants:
+        qkv_rope_store(layout, pages, qkv, num_heads, rope, rope, slots, k_scale, v_scale, norm,
+                       norm, 1e-6, **p, **kv, unmapped_kv_out=unmapped)
+    return len(variants)

@@ -115,9 +115,10 @@ class AttentionBackend(ABC):
         """Refresh per-step device state in place (e.g. global scales) before a replay."""
 
     def warm_prefill(self, num_q_heads: int, dtype: torch.dtype, max_chunk: int,
-                     context: int) -> int:
+                     context: int, qk_norm: bool = False) -> int:
         """Prepare the prefill/extend kernels for chunks of up to ``max_chunk`` rows over up
-        to ``context`` keys at server start; returns the shapes prepared (none here)."""
+        to ``context`` keys at server start (``qk_norm``: the model normalizes q and k per
+        head); returns the attention shapes prepared (none here)."""
         return 0
 
 

@@ -46,6 +46,7 @@ from nibble.kernels.ragged_cudnn import cudnn_available, warm_plans
 from nibble.kernels.triton import (decode_attention, default_num_splits, gather_kv,
                                    qkv_rope_store, store_kv)
 from nibble.kernels.triton._common import FORMAT_CODES
+from nibble.kernels.triton.qkv import LONG_INPUT, warm_long_inputs
 from nibble.tiering import KVPool
 
 from ..errors import ConfigError
@@ -278,11 +279,19 @@ class TritonAttentionBackend(AttentionBackend):
             self._decode(pages, q, out, ks, vs)
         return self._recipe.finish(layer, out)
 
+    def _fresh_prompts_only(self) -> bool:
+        """Every row of the step is a prompt's, from its first token: no cached prefix, no
+        decode rows. Such a step attends over its own fresh keys alone, which it may take
+        before the recipe's map: ``q . (k - c)`` is ``q' . K'`` with ``K' = (k - c) M`` and
+        ``q' = q M^-T``, so the query map is not needed (``qkv_rope_store(unmapped_kv_out=)``)."""
+        return self._ragged is not None and self._ragged.prefix_bt is None and not self._dec
+
     def forward_fused(self, layer: int, inp: QKVInput, meta: AttentionMetadata
                       ) -> torch.Tensor | None:
         """Any step from the QKV output: one launch transforms q, K and V (QK-norm, RoPE, the
         K recipe) and stores K/V (for prefill and extend rows it also hands back K' and V',
-        the fresh keys of the ragged attention), then the attention; ``[T, Hq, D]``. None
+        the fresh keys of the ragged attention, or for fresh prompts alone K before the map),
+        then the attention; ``[T, Hq, D]``. None
         with ``--prefill-kv-dtype fp8_e4m3`` (K/V are stored from FP8 there) or with fused
         kernels off."""
         if not self.fused or self.fp8_fresh:
@@ -294,9 +303,14 @@ class TritonAttentionBackend(AttentionBackend):
             shape = (inp.qkv.shape[0], self.layout.num_kv_heads, self.layout.head_dim)
             kv_out = {name: torch.empty(shape, dtype=inp.qkv.dtype, device=inp.qkv.device)
                       for name in ("k_out", "v_out")}
+        params = self._recipe.layer_params(layer, inp.qkv.device)
+        # fresh prompts alone: no query map (the largest part of the recipe's cost here)
+        unmapped = self._fresh_prompts_only() and params["q_map"] is not None
+        if unmapped:
+            params = {**params, "q_map": None}
         q = qkv_rope_store(self.layout, pages, inp.qkv, inp.num_heads, inp.cos, inp.sin,
-                           self._slots, ks, vs, inp.q_norm, inp.k_norm, inp.eps,
-                           **self._recipe.layer_params(layer, inp.qkv.device), **kv_out)
+                           self._slots, ks, vs, inp.q_norm, inp.k_norm, inp.eps, **params,
+                           **kv_out, unmapped_kv_out=unmapped)
         out = torch.empty_like(q)
         if kv_out:
             self._prefill_extend(pages, q, kv_out["k_out"], kv_out["v_out"], out, ks, vs)
@@ -321,9 +335,16 @@ class TritonAttentionBackend(AttentionBackend):
         plan.attend(q, k, v, out, self.sm_scale, gather, self._ws, self.ragged_kernel)
 
     def warm_prefill(self, num_q_heads: int, dtype: torch.dtype, max_chunk: int,
-                     context: int) -> int:
-        """Builds cuDNN's execution plans for the bucketed chunk shapes when the prefill
+                     context: int, qk_norm: bool = False) -> int:
+        """Compiles the fused QKV kernel's prompt-sized variants (``warm_long_inputs``) and
+        builds cuDNN's execution plans for the bucketed chunk shapes when the prefill
         attention takes cuDNN (a plan costs 65-130 ms the first time a shape is seen)."""
+        if self.fused and not self.fp8_fresh and self.device.type == "cuda" and \
+                max_chunk >= LONG_INPUT:
+            self._refresh_scales()
+            ks, vs = self._scales[0]
+            warm_long_inputs(self.layout, self.pool.layer(0), num_q_heads, dtype, qk_norm,
+                             self._recipe.layer_params(0, self.device), ks, vs, self.device)
         probe = torch.empty(CUDNN_AUTO_MIN_ROWS, num_q_heads, self.layout.head_dim, dtype=dtype,
                             device=self.device)
         if choose_kernel(probe, 1, self.ragged_kernel) != "cudnn":

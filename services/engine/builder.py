@@ -240,10 +240,12 @@ def build_engine_core(model, tokenizer, cfg: NibbleConfig, *, device: torch.devi
 
 
 def _warm_prefill(backend, cfg: NibbleConfig, arch, model, context: int) -> None:
-    """Prepare the backend's prefill kernels for the step's largest chunk (cuDNN's plans)."""
+    """Prepare the backend's prefill kernels for the step's largest chunk (the fused QKV
+    kernel's prompt variants, cuDNN's plans)."""
     start = time.perf_counter()
     chunk = min(cfg.scheduler.chunked_prefill_size, cfg.scheduler.max_prefill_tokens)
-    shapes = backend.warm_prefill(arch.num_heads, next(model.parameters()).dtype, chunk, context)
+    shapes = backend.warm_prefill(arch.num_heads, next(model.parameters()).dtype, chunk, context,
+                                  qk_norm=arch.qk_norm)
     if shapes:
         log.info("prefill attention: cuDNN plans for %d shapes in %.1fs", shapes,
                  time.perf_counter() - start)

@@ -196,6 +196,49 @@ def test_kv_out_holds_the_transformed_rows(device, v_shift):
         assert float((got.double().cpu() - ref.double()).norm() / ref.double().norm()) < tol
 
 
+@pytest.mark.parametrize("device", [CPU, GPU])
+@pytest.mark.parametrize("split", [False, True])
+def test_unmapped_k_out_and_the_attention_over_it(device, split):
+    """``unmapped_kv_out``: k_out gets rope(norm(k)) - c (K before the map), v_out v - v_shift,
+    the pages the same bytes as with K' out, q (q_map None) rope(norm(q)); and attending with
+    those gives the recipe's attention over q', K'."""
+    gen = torch.Generator().manual_seed(12)
+    hq, h, d, t = (32, 8, 128, 70) if device == "cuda" else (4, 2, 64, 19)
+    layout = PageLayout("nvfp4", 2, h, d, 16)
+    npages = -(-t // 16) + 1
+    qkv = (torch.randn(t, (hq + 2 * h) * d, generator=gen) * 2).to(torch.bfloat16)
+    cos, sin = _rope_tables(torch.arange(t) + 40, d)
+    shift, k_map, q_map = _recipe(h, d, gen)
+    norms = dict(q_norm=torch.rand(d, generator=gen) + 0.5,
+                 k_norm=torch.rand(d, generator=gen) + 0.5, eps=1e-6)
+    recipe = dict(k_shift=shift, k_map=k_map, q_map=q_map, v_shift=torch.randn(h, d, generator=gen))
+    q_raw, k_shifted, _ = qkv_transform_ref(qkv, hq, h, cos, sin, **norms, k_shift=shift)
+    q_rec, k_rec, v_rec = qkv_transform_ref(qkv, hq, h, cos, sin, **norms, **recipe)
+    slots = torch.randperm(npages * 16, generator=gen)[:t].to(device)
+    dev = lambda kw: {k: v.to(device) if isinstance(v, torch.Tensor) else v  # noqa: E731
+                      for k, v in kw.items()}
+    args = (qkv.to(device), hq, cos.to(device), sin.to(device), slots, 0.5, 2.0)
+    pools = [layout.allocate(npages, device).zero_() for _ in range(2)]
+    outs = [torch.empty(t, h, d, dtype=torch.bfloat16, device=device) for _ in range(4)]
+    qkv_rope_store(layout, layout.layer_view(pools[0], 1), *args, **dev(norms), **dev(recipe),
+                   k_out=outs[0], v_out=outs[1], split_halves=split)
+    q = qkv_rope_store(layout, layout.layer_view(pools[1], 1), *args, **dev(norms),
+                       **dev({**recipe, "q_map": None}), k_out=outs[2], v_out=outs[3],
+                       unmapped_kv_out=True, split_halves=split)
+    assert torch.equal(pools[0], pools[1]) and torch.equal(outs[1], outs[3])
+    tol = 1.5e-2 if device == "cuda" else 1e-2                # bf16 outputs
+    for got, ref in ((q, q_raw), (outs[2], k_shifted), (outs[3], v_rec)):
+        assert float((got.double().cpu() - ref.double()).norm() / ref.double().norm()) < tol
+
+    def attend(q, k, v):
+        s = torch.einsum("qhd,khd->hqk", q.double(), k.double().repeat_interleave(hq // h, 1))
+        return torch.einsum("hqk,khd->qhd", s.softmax(-1), v.double().repeat_interleave(hq // h, 1))
+    torch.testing.assert_close(attend(q_raw, k_shifted, v_rec), attend(q_rec, k_rec, v_rec),
+                               rtol=1e-4, atol=1e-4)          # the maps in fp32
+    with pytest.raises(KernelInputError, match="unmapped_kv_out needs"):
+        qkv_rope_store(layout, layout.layer_view(pools[1], 1), *args, unmapped_kv_out=True)
+
+
 def test_reference_recipe_keeps_scores_up_to_a_constant_per_query():
     """q'.k' = q.k - q.c for every key: softmax sees the same attention."""
     gen = torch.Generator().manual_seed(3)
@@ -240,3 +283,39 @@ def test_checks():
         lay = PageLayout("nvfp4", 1, 2, 48, 16)
         qkv_rope_store(lay, lay.layer_view(lay.allocate(1), 0), torch.randn(3, 8 * 48), 4,
                        torch.ones(3, 48), torch.ones(3, 48), slots)
+
+
+@pytest.mark.gpu
+def test_warm_long_inputs_compiles_what_prompts_launch():
+    """After ``warm_long_inputs``, a long fresh prompt (no query map, K out before the map)
+    and a long chunk beside decode rows (the whole recipe) compile nothing new: a Triton
+    compile would otherwise land in a served step."""
+    from nibble.kernels.triton.qkv import LONG_INPUT, _qkv_kernel, warm_long_inputs
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(5)
+    hq, h, d, t = 32, 8, 128, LONG_INPUT + 300
+    layout = PageLayout("nvfp4", 2, h, d, 64)
+    pool = layout.allocate(-(-t // 64) + 1, dev)
+    pages = layout.layer_view(pool, 1)
+    shift, k_map, q_map = _recipe(h, d, gen)
+    params = dict(k_shift=shift.to(dev), k_map=k_map.to(dev, torch.bfloat16),
+                  q_map=q_map.to(dev, torch.bfloat16), v_shift=None)
+    scales = torch.ones(4, device=dev)           # as the backend's [L, 2] global scales
+    norm = torch.ones(d, dtype=torch.bfloat16, device=dev)
+    assert warm_long_inputs(layout, pages, hq, torch.bfloat16, True, params, scales[0:1],
+                            scales[1:2], dev) == 2
+
+    def compiled() -> int:
+        return sum(len(c[0]) for c in _qkv_kernel.device_caches.values())
+    before = compiled()
+    qkv = torch.randn(t, (hq + 2 * h) * d, device=dev, dtype=torch.bfloat16)
+    rope = torch.rand(t, 1, d, device=dev, dtype=torch.bfloat16)
+    slots = torch.arange(t, device=dev)
+    kv = {n: torch.empty(t, h, d, dtype=torch.bfloat16, device=dev) for n in ("k_out", "v_out")}
+    for p, unmapped in ((params, False), ({**params, "q_map": None}, True)):
+        for layer in (0, 1):                    # scale addresses 16-byte aligned, then not
+            ks, vs = scales[2 * layer:2 * layer + 1], scales[2 * layer + 1:2 * layer + 2]
+            qkv_rope_store(layout, pages, qkv, hq, rope, rope, slots, ks, vs, norm, norm, 1e-6,
+                           **p, **kv, unmapped_kv_out=unmapped)
+    torch.cuda.synchronize()
+    assert compiled() == before
