@@ -54,7 +54,7 @@ struct SplitOut {                  // what the fused combine needs, passed by va
   long long o_b, o_h; int out_dtype, nsplit, group, num_kv_heads;
 };
 
-// One split (with the fused combine): the normalised row of head `hq`, element d.
+// One split (with the fused combine): output element `oi`, normalised by the row sum `l`.
 __device__ __noinline__ void store_single(void* out, long long oi, int out_dtype, float o,
                                           float l) {
   store_out(out, oi, out_dtype, l > 0.f ? o / l : 0.f);
