@@ -10,8 +10,8 @@
 Importing this package builds nothing; :func:`available` builds (or loads) the library.
 """
 
-from .decode import (RECIPE_KEYS, DecodeStep, available, decode_nvfp4_cpu, decode_nvfp4_ref,
-                     section_offsets, supports_layout)
+from .decode import (IO_DTYPES, RECIPE_KEYS, DecodeStep, available, decode_nvfp4_cpu,
+                     decode_nvfp4_ref, section_offsets, supports_layout)
 
-__all__ = ["RECIPE_KEYS", "DecodeStep", "available", "decode_nvfp4_cpu", "decode_nvfp4_ref",
-           "section_offsets", "supports_layout"]
+__all__ = ["IO_DTYPES", "RECIPE_KEYS", "DecodeStep", "available", "decode_nvfp4_cpu",
+           "decode_nvfp4_ref", "section_offsets", "supports_layout"]

@@ -36,7 +36,7 @@ _ARGTYPES = [_P, _I64, _P, _I64, _P, _I64, _P, _P,          # q, k, v (+ row str
              _P, _P, _I, _P, _P,                            # slots, page_ids, M, lo, hi
              _F, _F, _F, _P, _I, _I]                        # k_scale, v_scale, sm_scale, out,
 #                                                             in and out dtypes (0 fp32, 1 bf16)
-_IO_DTYPES = {torch.float32: 0, torch.bfloat16: 1}     # layer_qkv's rows and output
+IO_DTYPES = {torch.float32: 0, torch.bfloat16: 1}      # layer_qkv's rows and output
 RECIPE_KEYS = ("k_map", "k_bias", "k_shift", "q_map", "v_shift")
 
 
@@ -159,17 +159,17 @@ class DecodeStep:
         of a decode step is most of its cost at a small model's few rows."""
         b, d, h = self.b, self.d, self.h
         w = (hq + 2 * h) * d
-        if not (hq > 0 and hq % h == 0 and qkv.dtype in _IO_DTYPES and qkv.is_cpu
+        if not (hq > 0 and hq % h == 0 and qkv.dtype in IO_DTYPES and qkv.is_cpu
                 and qkv.dim() == 2 and qkv.shape == (b, w) and qkv.stride(1) == 1
-                and out_dtype in _IO_DTYPES):
+                and out_dtype in IO_DTYPES):
             raise KernelInputError(f"qkv must be float32 or bfloat16 CPU [{b}, {w}] with unit "
                                    f"inner stride (Hq = {hq}, a multiple of {h}) and out_dtype "
                                    f"float32 or bfloat16, got {qkv.dtype} {tuple(qkv.shape)} "
                                    f"{qkv.stride()} on {qkv.device}, out_dtype {out_dtype}")
         p, rs, es = qkv.data_ptr(), qkv.stride(0), qkv.element_size()
         return self._run(layer, (p, rs, p + es * hq * d, rs, p + es * (hq + h) * d, rs), hq, lo,
-                         k_scale, v_scale, recipe, rope, _IO_DTYPES[qkv.dtype],
-                         _IO_DTYPES[out_dtype])
+                         k_scale, v_scale, recipe, rope, IO_DTYPES[qkv.dtype],
+                         IO_DTYPES[out_dtype])
 
     def _rope_ptrs(self, rope: tuple | None) -> tuple:
         """cos/sin pointers, checked once per pair of tensors (a step shares one pair)."""

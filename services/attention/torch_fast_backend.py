@@ -48,7 +48,6 @@ WORKSPACE_BYTES = 256 * 2**20
 # Model dtypes whose decode steps the C kernel takes (it computes in fp32; bf16 and fp16 rows
 # are widened for the call).
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_C_IO = (torch.float32, torch.bfloat16)     # rows the C call reads and writes as they are
 
 
 @register_backend("torch_fast")
@@ -157,8 +156,8 @@ class FastTorchAttentionBackend(TorchAttentionBackend):
         if nd.get("rope", (None,))[0] is not inp.cos:     # the step's cos/sin: once, not per layer
             nd["rope"] = (inp.cos, inp.cos.float().contiguous(), inp.sin.float().contiguous())
         want = inp.out_dtype or qkv.dtype
-        io = want if want in _C_IO else torch.float32
-        rows = qkv if qkv.dtype in _C_IO else qkv.float()
+        io = want if want in cpu_kernels.IO_DTYPES else torch.float32
+        rows = qkv if qkv.dtype in cpu_kernels.IO_DTYPES else qkv.float()
         ks, vs = nd["scales"][layer]
         out = nd["step"].layer_qkv(layer, rows, inp.num_heads, nd["lo"][self.window(layer)], ks,
                                    vs, nd["recipe"][layer], nd["rope"][1:], io)

@@ -134,6 +134,18 @@ static inline __m512 dequant_block(const uint8_t *codes, float scale, float gs) 
 }
 #endif
 
+/* The run of positions [p, *end) that share p's page (*end <= hi + 1): that page, with p's
+ * row inside head h's section in *r. One 64-bit divide by the runtime page size per run, not
+ * per position (it costs tens of cycles, as much as a token's scores at a short head). */
+static inline const uint8_t *page_run(const uint8_t *pool, int64_t page_stride,
+                                      const int64_t *pages, int s, int h, int64_t p, int64_t hi,
+                                      int64_t *r, int64_t *end) {
+    int64_t pg = p / s;
+    *r = (int64_t)h * s + (p - pg * s);
+    *end = (pg + 1) * s < hi + 1 ? (pg + 1) * s : hi + 1;
+    return pool + pages[pg] * page_stride;
+}
+
 /* Scores of the G query rows q [G][D] against one K row (sm_scale applied), or one V
  * row's weighted add into out [G][D] (w [G]); the row read from its page. */
 static inline void k_scores(const float *q, int g, int d, const uint8_t *codes,
@@ -191,10 +203,8 @@ static inline void v_sum_blocks_g(const float *w, int64_t n, int g, int d, int s
     for (int b0 = 0; b0 < d; b0 += BLOCK) {
         __m512 acc[8];
         for (int i = 0; i < g; i++) acc[i] = _mm512_setzero_ps();
-        for (int64_t p = lo, j = 0; p <= hi;) {
-            const uint8_t *page = pool + pages[p / s] * page_stride;
-            int64_t r = (int64_t)h * s + p % s, end = (p / s + 1) * s;
-            if (end > hi + 1) end = hi + 1;
+        for (int64_t p = lo, j = 0, r, end; p <= hi;) {
+            const uint8_t *page = page_run(pool, page_stride, pages, s, h, p, hi, &r, &end);
             const uint8_t *vc = page + sec[1] + r * cb + b0 / 2;
             const uint8_t *vs = page + sec[3] + r * sb + b0 / BLOCK;
             for (; p < end; p++, j++, vc += cb, vs += sb) {
@@ -265,12 +275,8 @@ static void attend(const float *q, int g, int d, int s, const uint8_t *pool, int
                    float *out) {
     int64_t n = hi - lo + 1;
     int cb = d / 2, sb = d / BLOCK;
-    /* Page by page: one division per page, not two per token (a 64-bit divide by a runtime
-     * page size costs tens of cycles, as much as a token's scores at a short head). */
-    for (int64_t p = lo, j = 0; p <= hi;) {
-        const uint8_t *page = pool + pages[p / s] * page_stride;
-        int64_t r = (int64_t)h * s + p % s, end = (p / s + 1) * s;
-        if (end > hi + 1) end = hi + 1;
+    for (int64_t p = lo, j = 0, r, end; p <= hi;) {          /* page by page */
+        const uint8_t *page = page_run(pool, page_stride, pages, s, h, p, hi, &r, &end);
         for (; p < end; p++, j++, r++)
             k_scores(q, g, d, page + sec[0] + r * cb, page + sec[2] + r * sb, gs_k, sm_scale,
                      row, scores + j, n);
@@ -283,10 +289,8 @@ static void attend(const float *q, int g, int d, int s, const uint8_t *pool, int
     }
 #endif
     memset(out, 0, sizeof(float) * (size_t)g * d);
-    for (int64_t p = lo, j = 0; p <= hi;) {
-        const uint8_t *page = pool + pages[p / s] * page_stride;
-        int64_t r = (int64_t)h * s + p % s, end = (p / s + 1) * s;
-        if (end > hi + 1) end = hi + 1;
+    for (int64_t p = lo, j = 0, r, end; p <= hi;) {
+        const uint8_t *page = page_run(pool, page_stride, pages, s, h, p, hi, &r, &end);
         for (; p < end; p++, j++, r++)
             v_accumulate(scores + j, n, g, d, page + sec[1] + r * cb, page + sec[3] + r * sb,
                          gs_v, row, out);
