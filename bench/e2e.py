@@ -199,6 +199,18 @@ class _Burst:
         return n
 
 
+def _profile_pair(step, steps: int, device) -> dict:
+    """A profiler pass of GPU activity only (the figures), then one tracing host ops too,
+    whose idle share and step time are kept beside them (``host_traced``) for comparison.
+    Both passes lengthen the step (see ``_step_profile``); the caller also sets the busy
+    time against the unprofiled steps (``gpu_idle_share_of_unprofiled_step``)."""
+    prof = profile_steps(step, steps, device)
+    traced = profile_steps(step, steps, device, host_ops=True)
+    prof["host_traced"] = {k: traced[k] for k in ("step_ms", "gpu_busy_ms_per_step",
+                                                    "gpu_idle_share")}
+    return prof
+
+
 def run_burst(core, args, c: int, vocab: int, gen: torch.Generator, label: str) -> dict:
     """``c`` requests at once; per-request TTFT/ITL and per-step decode throughput.
 
@@ -216,7 +228,7 @@ def run_burst(core, args, c: int, vocab: int, gen: torch.Generator, label: str) 
     weights, bpt = weight_read_bytes(core.runner.model), core.pool.layout.bytes_per_token
     device = core.pool.device
     plan = _phase_plan(core, args)
-    split = max(2 * PROFILE_WARMUP + 2 * args.profile_steps, (args.output_len - c) // len(plan))
+    split = max(2 * PROFILE_WARMUP + 3 * args.profile_steps, (args.output_len - c) // len(plan))
     (phase, _), since, at = plan[0], 0, 0
     with tqdm(total=c * args.output_len, desc=label, unit="tok", leave=False) as bar:
         while core.has_unfinished():
@@ -226,7 +238,7 @@ def run_burst(core, args, c: int, vocab: int, gen: torch.Generator, label: str) 
             meter = b.meters[phase]
             if (steady and since == PROFILE_WARMUP and args.profile_steps
                     and device.type == "cuda" and phase not in b.profiles):
-                b.profiles[phase] = profile_steps(lambda: bar.update(b.step()),
+                b.profiles[phase] = _profile_pair(lambda: bar.update(b.step()),
                                                   args.profile_steps, device)
                 since += 1
                 continue
@@ -242,6 +254,10 @@ def run_burst(core, args, c: int, vocab: int, gen: torch.Generator, label: str) 
     itl = [(b.last[k] - b.first[k]) / max(1, args.output_len - 1) for k in b.first]
     phases = {k: {**m.summary(), **({"profile": b.profiles[k]} if k in b.profiles else {})}
               for k, m in b.meters.items() if m.steps}
+    for ph in phases.values():      # the profiled busy time against the unprofiled step
+        if "profile" in ph and ph["step_ms"]:
+            ph["profile"]["gpu_idle_share_of_unprofiled_step"] = max(
+                0.0, 1 - ph["profile"]["gpu_busy_ms_per_step"] / ph["step_ms"])
     main = next(iter(phases.values()), {})
     return {"concurrency": c, "requests": c, "wall_s": wall,
             "output_tok_s": c * args.output_len / wall,
@@ -298,7 +314,10 @@ def bench_format(fmt: str, args, base_ns: argparse.Namespace, conc: dict[str, in
                   f"({100 * ph['floor_share']:.0f}% reached), {ph['decode_tok_s']:.0f} tok/s"
                   + (f"; {prof['kernels_per_step']:.0f} kernels/step "
                      f"({prof['kernels_per_step'] / core.runner.model.arch.num_layers:.1f}/layer),"
-                     f" GPU idle {100 * prof['gpu_idle_share']:.0f}%" if prof else ""))
+                     f" GPU idle {100 * prof['gpu_idle_share_of_unprofiled_step']:.1f}% of the"
+                     f" unprofiled step ({100 * prof['gpu_idle_share']:.1f}% inside the"
+                     f" profiled pass, {100 * prof['host_traced']['gpu_idle_share']:.1f}%"
+                     " tracing host ops)" if prof else ""))
     res["graph_replays"] = graphs.replays if graphs is not None else 0
     del parts, core, graphs
     gc.collect()

@@ -238,4 +238,77 @@ __device__ __forceinline__ void warp_pairs_pipe(const Params& p, int b, int h, i
   cp_wait<0>();
 }
 
+// The pairs of tiles one warp of a stealing variant runs: its static range, then chunks of
+// kStealChunk tiles from the (sequence, KV head)'s pool [pool_lo, n_tiles), taken from a
+// counter shared by every warp of its splits, so that warps on slower SMs take fewer. Lane 0
+// takes the following chunk when a chunk begins; its atomic's latency hides behind the chunk.
+// Segments have even lengths except the pool's last chunk, so a pair never spans two.
+struct PairSource {
+  int lo, hi;           // the segment being issued: next pair's first tile, its end
+  int pool_lo, n_tiles;
+  int taken;            // lane 0: the counter's value for the following chunk
+  int* ctr;             // the pool's counter; null once the pool is empty
+  __device__ __forceinline__ void start(int lane) {
+    if (lane == 0) taken = atomicAdd(ctr, 1);
+  }
+  // (first tile, segment end) of the next pair; first < 0 once the warp is done.
+  __device__ __forceinline__ int2 next(int lane) {
+    if (lo >= hi) {
+      if (ctr == nullptr) return make_int2(-1, 0);
+      lo = pool_lo + kStealChunk * __shfl_sync(kFull, taken, 0);
+      if (lo >= n_tiles) { ctr = nullptr; lo = hi; return make_int2(-1, 0); }
+      hi = min(lo + kStealChunk, n_tiles);
+      start(lane);
+    }
+    lo += 2;
+    return make_int2(lo - 2, hi);
+  }
+};
+
+// warp_pairs_pipe over a PairSource: pairs in flight in a FIFO (first tile, segment end),
+// each pair's masking bound by its own segment.
+template <class F, int PIPE, class QLoad>
+__device__ __forceinline__ void warp_pairs_steal(const Params& p, int b, int h, int seq_len,
+                                                 PairSource& src, int lane, uint8_t* ring,
+                                                 QLoad load_q, float qk, State& st) {
+  constexpr int kAhead = (PIPE - 2) / 2;      // pairs in flight beyond the one computed
+  const typename F::LaneT ln = F::lane_of(p, h, lane);
+  PageCursor pc;
+  cursor_init(pc, p, b, seq_len, max(src.lo, 0), lane);
+  const uint32_t ring_s = static_cast<uint32_t>(__cvta_generic_to_shared(ring));
+  const auto issue_pair = [&](int2 pr, int slot) {
+    if (pr.x >= 0) pc.seek(pr.x >> p.tpp_log2, lane);
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      if (pr.x >= 0 && pr.x + i < pr.y)
+        F::issue(ring_s + (slot + i) * F::kStage, p, pc, ln, pr.x + i, lane);
+      cp_commit();
+    }
+  };
+  int2 fifo[kAhead];
+#pragma unroll
+  for (int i = 0; i < kAhead; ++i) {
+    fifo[i] = src.next(lane);
+    issue_pair(fifo[i], 2 * i);
+  }
+  uint32_t qf[8][2];
+  load_q(qf);
+  int slot = 0;                               // ring slot of the pair computed (even)
+  while (fifo[0].x >= 0) {
+    cp_wait<PIPE - 4>();
+    __syncwarp();
+    const int2 nx = src.next(lane);
+    issue_pair(nx, slot == 0 ? PIPE - 2 : slot - 2);
+    const uint8_t* sa = ring + slot * F::kStage;
+    const int rem = min(seq_len, fifo[0].y * 16) - fifo[0].x * 16;
+    if (rem >= 32) F::template pair<false>(sa, sa + F::kStage, ln, qf, qk, 32, lane, st);
+    else F::template pair<true>(sa, sa + F::kStage, ln, qf, qk, rem, lane, st);
+#pragma unroll
+    for (int i = 0; i + 1 < kAhead; ++i) fifo[i] = fifo[i + 1];
+    fifo[kAhead - 1] = nx;
+    slot = slot == PIPE - 2 ? 0 : slot + 2;
+  }
+  cp_wait<0>();
+}
+
 }  // namespace nibble_nvfp4
