@@ -35,14 +35,11 @@ MIN_TILES_PER_WARP = 4
 # cap (CTAs per SM): 4 -> 128 registers. 10404 and 4 are the dequant-0 references of 10424
 # and 24 (same loops, one LOP3 more per 8 codes). 10425 and 10426: the register-cap
 # route (5 / 6 CTAs per SM: 96 / 80 registers, 148 / 312 bytes spilled, 20 / 24 warps per SM).
-# + 1000000 * steal: the last steal/8 of a (sequence, KV head)'s tiles form a pool that the
-# warps of all its splits take 4 tiles at a time from a counter (with the fused combine; the
-# static ranges otherwise), so warps on slower SMs take fewer: 2010424, 4010424 (1/4, 1/2).
-VARIANTS = (10424, 24, 10404, 4, 10425, 10426, 2010424, 4010424)
+VARIANTS = (10424, 24, 10404, 4, 10425, 10426)
 # FP8 E4M3 pages (100000 + the same fields; cp.async rings only): 110602 two tiles per step,
 # 6 stages (two pairs in flight), 2 CTAs per SM; 110403 / 110404 4 stages, 168 / 128-register
 # caps; 100304 / 100204 one tile per step, 3 / 2 stages.
-FP8_VARIANTS = (110602, 110403, 110404, 100304, 100204, 2110602, 4110602)
+FP8_VARIANTS = (110602, 110403, 110404, 100304, 100204)
 # Diagnostics for the benchmark only (wrong results): 1004 loads without compute, 2004
 # computes on register data without loads.
 DIAG_VARIANTS = (1004, 2004)
@@ -51,12 +48,11 @@ DEFAULT_FP8_VARIANT = 110602  # equal to 110403 in sum over the benchmark cases,
                                # at 64 x 4096, 2% slower at 32 x 32768 (H200)
 FORMATS = ("nvfp4", "fp8_e4m3")
 # The fused combine counts finished splits in COUNTER_STRIDE int32s per (sequence, KV head)
-# (one for the groups of 16 splits, one per group, and the tile pool of the stealing variants:
-# csrc/decode.cu) of a buffer allocated once per device; larger batches fall back to the
-# reduce kernel.
+# (one for the groups of 16 splits, one per group: csrc/decode.cu) of a buffer allocated once
+# per device; larger batches fall back to the reduce kernel.
 MAX_COUNTERS = 1 << 16           # (sequence, KV head) pairs
 SPLIT_GROUP, MAX_SPLIT_GROUPS = 16, 16
-COUNTER_STRIDE = 2 + MAX_SPLIT_GROUPS
+COUNTER_STRIDE = 1 + MAX_SPLIT_GROUPS
 FUSED_CAPACITY = SPLIT_GROUP * MAX_SPLIT_GROUPS   # splits the fused combine can take
 COMBINES = ("auto", "fused", "kernel")
 # "auto" fuses the combine up to this many splits, all it can take: against the reduce kernel

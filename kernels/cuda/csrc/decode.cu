@@ -200,26 +200,20 @@ __device__ __noinline__ void combine_splits(const SplitOut a, int b, int h, int 
   int* ctr = a.counters + ((long long)b * a.num_kv_heads + h) * kCtrStride;
   const int ns = a.nsplit;
   if (ns <= kSplitGroup) {
-    if (count_in(ctr, ns, flag)) {
-      if (threadIdx.x == 0) ctr[kStealCtr] = 0;   // every warp of every split is past its pool
-      sum_partials(a, b, h, lane, warp, 0, ns, 1, true);
-    }
+    if (count_in(ctr, ns, flag)) sum_partials(a, b, h, lane, warp, 0, ns, 1, true);
     return;
   }
   const int groups = (ns + kSplitGroup - 1) / kSplitGroup, g = c / kSplitGroup;
   const int first = g * kSplitGroup, size = min(kSplitGroup, ns - first);
   if (!count_in(ctr + 1 + g, size, flag)) return;
   sum_partials(a, b, h, lane, warp, first, size, 1, false);
-  if (count_in(ctr, groups, flag)) {
-    if (threadIdx.x == 0) ctr[kStealCtr] = 0;
+  if (count_in(ctr, groups, flag))
     sum_partials(a, b, h, lane, warp, 0, groups, kSplitGroup, true);
-  }
 }
 
 // FMT 0: NVFP4 pages (DQ = dequant form, PIPE 0 = register ping-pong, MODE = diagnostics);
-// FMT 1: FP8 E4M3 pages (cp.async ring only). STEAL > 0 (pair rings): the last STEAL/8 of the
-// tiles are a pool the warps take chunks from (with the fused combine and several splits).
-template <int MINB, int DQ, int PIPE, int MODE = 0, int PAIR = 0, int FMT = 0, int STEAL = 0>
+// FMT 1: FP8 E4M3 pages (cp.async ring only).
+template <int MINB, int DQ, int PIPE, int MODE = 0, int PAIR = 0, int FMT = 0>
 __global__ void __launch_bounds__(128, MINB) decode_kernel(const Params p) {
   extern __shared__ uint4 smem_u4[];
   uint8_t* smem = reinterpret_cast<uint8_t*>(smem_u4);
@@ -228,9 +222,7 @@ __global__ void __launch_bounds__(128, MINB) decode_kernel(const Params p) {
   const int seq_len = seq_len_of(p, b);
   const int n_tiles = (seq_len + 15) >> 4;
   const int nw = p.nsplit * kWarps;
-  const bool steal = STEAL > 0 && p.counters != nullptr && p.nsplit > 1;
-  // static ranges: all tiles, or (stealing) an even share of the first (8 - STEAL)/8
-  const int per = steal ? ((n_tiles * (8 - STEAL)) / (8 * nw)) & ~1 : (n_tiles + nw - 1) / nw;
+  const int per = (n_tiles + nw - 1) / nw;
   const int t_lo = min((c * kWarps + warp) * per, n_tiles);
   const int t_hi = min(t_lo + per, n_tiles);
   const auto q_loader = [&](uint32_t (&q)[8][2]) {
@@ -245,14 +237,7 @@ __global__ void __launch_bounds__(128, MINB) decode_kernel(const Params p) {
   const float qk = p.qk_scale * __ldg(p.k_gs);
   typedef typename std::conditional<FMT == 1, Fp8Fmt, Nvfp4Fmt<DQ>>::type F;
   uint8_t* ring = smem + warp * (PIPE > 0 ? PIPE : 1) * F::kStage;
-  if constexpr (PAIR == 1 && PIPE > 0 && STEAL > 0) {
-    PairSource src{t_lo, t_hi, nw * per, n_tiles, 0, nullptr};
-    if (steal) {
-      src.ctr = p.counters + ((long long)b * p.num_kv_heads + h) * kCtrStride + kStealCtr;
-      src.start(lane);
-    }
-    warp_pairs_steal<F, PIPE>(p, b, h, seq_len, src, lane, ring, q_loader, qk, st);
-  } else if constexpr (PAIR == 1 && PIPE > 0) {
+  if constexpr (PAIR == 1 && PIPE > 0) {
     warp_pairs_pipe<F, PIPE>(p, b, h, seq_len, t_lo, t_hi, lane, ring, q_loader, qk, st);
   } else {
     uint32_t qf[8][2];
@@ -315,16 +300,14 @@ __global__ void __launch_bounds__(32 * kRedGroups) reduce_kernel(
   store_out(out, oi, out_dtype, lsum > 0.f ? acc / lsum : 0.f);
 }
 
-// variant = 1000000 * STEAL + 100000 * FMT + 10000 * PAIR + 1000 * MODE + 100 * PIPE +
-// 10 * DQ + MINB: STEAL = eighths of the tiles in the shared pool, FMT = page format (0 NVFP4,
-// 1 FP8 E4M3), PAIR = two tiles per step, MODE = diagnostic (1 loads only, 2 compute only),
-// PIPE = cp.async stages per warp (0: register ping-pong), DQ = dequant form, MINB = CTAs per
-// SM for the register cap.
-#define NIBBLE_VARIANTS(X) X(4, 0, 0, 0, 0, 0, 0) X(4, 2, 0, 0, 0, 0, 0)                       \
-  X(4, 0, 4, 0, 1, 0, 0) X(4, 2, 4, 0, 1, 0, 0) X(4, 0, 0, 1, 0, 0, 0) X(4, 0, 0, 2, 0, 0, 0)  \
-  X(3, 0, 4, 0, 1, 1, 0) X(4, 0, 4, 0, 1, 1, 0) X(4, 0, 3, 0, 0, 1, 0) X(4, 0, 2, 0, 0, 1, 0)  \
-  X(2, 0, 6, 0, 1, 1, 0) X(5, 2, 4, 0, 1, 0, 0) X(6, 2, 4, 0, 1, 0, 0) X(4, 2, 4, 0, 1, 0, 2)  \
-  X(4, 2, 4, 0, 1, 0, 4) X(2, 0, 6, 0, 1, 1, 2) X(2, 0, 6, 0, 1, 1, 4)
+// variant = 100000 * FMT + 10000 * PAIR + 1000 * MODE + 100 * PIPE + 10 * DQ + MINB:
+// FMT = page format (0 NVFP4, 1 FP8 E4M3), PAIR = two tiles per step, MODE = diagnostic
+// (1 loads only, 2 compute only), PIPE = cp.async stages per warp (0: register ping-pong),
+// DQ = dequant form, MINB = CTAs per SM for the register cap.
+#define NIBBLE_VARIANTS(X) X(4, 0, 0, 0, 0, 0) X(4, 2, 0, 0, 0, 0) X(4, 0, 4, 0, 1, 0)         \
+  X(4, 2, 4, 0, 1, 0) X(4, 0, 0, 1, 0, 0) X(4, 0, 0, 2, 0, 0) X(3, 0, 4, 0, 1, 1)              \
+  X(4, 0, 4, 0, 1, 1) X(4, 0, 3, 0, 0, 1) X(4, 0, 2, 0, 0, 1) X(2, 0, 6, 0, 1, 1)              \
+  X(5, 2, 4, 0, 1, 0) X(6, 2, 4, 0, 1, 0)
 
 static int smem_bytes(int pipe, int fmt) {
   const int ring = kWarps * pipe * (fmt == 1 ? kStage8 : kStageBytes);
@@ -333,16 +316,16 @@ static int smem_bytes(int pipe, int fmt) {
 
 // The kernel of `variant` with its dynamic shared-memory limit raised once; null if unknown.
 static const void* kernel_of(int variant, int* smem) {
-#define NIBBLE_FN(M, Q, P, D, R, F, S)                                                     \
-  if (variant == 1000000 * S + 100000 * F + 10000 * R + 1000 * D + 100 * P + 10 * Q + M) {  \
+#define NIBBLE_FN(M, Q, P, D, R, F)                                                        \
+  if (variant == 100000 * F + 10000 * R + 1000 * D + 100 * P + 10 * Q + M) {                \
     static bool ready = false;                                                              \
     *smem = smem_bytes(P, F);                                                               \
     if (!ready) {                                                                           \
-      cudaFuncSetAttribute(decode_kernel<M, Q, P, D, R, F, S>,                                 \
+      cudaFuncSetAttribute(decode_kernel<M, Q, P, D, R, F>,                                 \
                            cudaFuncAttributeMaxDynamicSharedMemorySize, *smem);             \
       ready = true;                                                                         \
     }                                                                                       \
-    return (const void*)decode_kernel<M, Q, P, D, R, F, S>;                                    \
+    return (const void*)decode_kernel<M, Q, P, D, R, F>;                                    \
   }
   NIBBLE_VARIANTS(NIBBLE_FN)
 #undef NIBBLE_FN

@@ -18,10 +18,8 @@ constexpr int kD = 128, kWarps = 4, kMaxGroup = 8;
 constexpr int kCombineO = kWarps * kMaxGroup * kD * 4, kFlagOff = kCombineO + 256,
               kCombineBytes = kFlagOff + 16;
 // The fused split combine: splits per group, and int32 counters per (sequence, KV head)
-// (one for the groups, one per group, then the tile pool's counter of the stealing variants;
-// decode.py sizes the buffer).
-constexpr int kSplitGroup = 16, kMaxSplitGroups = 16, kCtrStride = 2 + kMaxSplitGroups;
-constexpr int kStealCtr = 1 + kMaxSplitGroups, kStealChunk = 4;   // chunk: tiles per take
+// (one for the groups, one per group; decode.py sizes the buffer).
+constexpr int kSplitGroup = 16, kMaxSplitGroups = 16, kCtrStride = 1 + kMaxSplitGroups;
 constexpr float kLazy = 8.0f;
 constexpr unsigned kFull = 0xffffffffu;
 // The loader (../_sources.py) passes decode.py's copies of these as -D defines; they must agree.
@@ -157,9 +155,6 @@ struct PageCursor {     // block-table entries, 32 pages per lane-wide register,
   __device__ __forceinline__ int page(int pi, int lane) {  // pi grows by at most 1 per call
     if (pi - chunk >= 32) { chunk += 32; cur = nxt; nxt = fetch(chunk + 32, lane); }
     return __shfl_sync(kFull, cur, pi - chunk);
-  }
-  __device__ __forceinline__ void seek(int pi, int lane) {  // before a jump forward to pi
-    if (pi - chunk >= 64) init(pi, lane);
   }
 };
 
