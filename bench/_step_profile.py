@@ -114,12 +114,13 @@ def profile_steps(step: Callable[[], object], steps: int, device: torch.device,
     acts = [ProfilerActivity.CUDA] if device.type == "cuda" else []
     if host_ops or not acts:
         acts.insert(0, ProfilerActivity.CPU)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     with profile(activities=acts) as prof:
-        torch.cuda.synchronize(device)
+        sync()
         t0 = time.perf_counter()
         for _ in range(steps):
             step()
-        torch.cuda.synchronize(device)
+        sync()
         wall = time.perf_counter() - t0
     fd, path = tempfile.mkstemp(suffix=".json")
     os.close(fd)
@@ -129,4 +130,5 @@ def profile_steps(step: Callable[[], object], steps: int, device: torch.device,
             events = json.load(f).get("traceEvents", [])
     finally:
         os.unlink(path)
-    return {**trace_summary(events, steps, wall), "host_ops_traced": host_ops or len(acts) == 1}
+    return {**trace_summary(events, steps, wall),
+            "host_ops_traced": ProfilerActivity.CPU in acts}

@@ -41,3 +41,14 @@ def test_trace_summary_counts_kernels_and_idle():
     assert s["gpu_idle_share"] == pytest.approx(1 - 1.1 / 4)
     assert s["kernel_ms_per_step"] == pytest.approx(0.55)
     assert s["top_kernels"][0] == {"name": "gemm", "calls_per_step": 1.0, "ms_per_step": 0.45}
+
+
+def test_profile_steps_on_cpu_traces_host_ops():
+    """Without a GPU the pass records host ops (there is nothing else) and says so."""
+    import torch
+
+    from nibble.bench._step_profile import profile_steps
+    x = torch.ones(64, 64)
+    s = profile_steps(lambda: x @ x, 3, torch.device("cpu"))
+    assert s["profiled_steps"] == 3 and s["host_ops_traced"] is True
+    assert s["kernels_per_step"] == 0 and s["step_ms"] > 0
