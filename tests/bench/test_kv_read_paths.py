@@ -32,3 +32,11 @@ def test_expected_xor_matches_a_word_by_word_walk():
 def test_xor_all_of_an_odd_count():
     w = torch.tensor([1, 2, 4, 8, 16], dtype=torch.int32)
     assert krp._xor_all(w) == 31
+
+
+def test_plot(tmp_path):
+    paths = {f"{m}_x4": {"share": 0.9} for m in krp.MODES}
+    data = {"read_tbs": 4.47, "cases": [{"batch": 8, "ctx": 32768, "page_size": 16,
+                                         "paths": paths}]}
+    krp.plot(data, tmp_path / "p.png")
+    assert (tmp_path / "p.png").stat().st_size > 1000
