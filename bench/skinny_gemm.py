@@ -7,7 +7,13 @@ walks through them, so each call reads its weight from HBM, as a decode step doe
 config is checked against ``torch.nn.functional.linear`` first (max |diff| over max |ref|
 below 1e-2); the share is the weight bytes over the time at ``--read-tbs``.
 
+``--chain``: a layer's four projections in order, each reading the last one's output, over
+``--layers`` cold layers, with cuBLAS, the Triton GEMM, and the Triton GEMM under programmatic
+dependent launch (the next grid released at once or after the main loop, with or without an
+L2 prefetch of its first weight columns before it waits); checked against the first variant.
+
     python -m nibble.bench.skinny_gemm --out out/skinny_gemm.json
+    python -m nibble.bench.skinny_gemm --chain --layers 8 --out out/chain.json
 """
 
 from __future__ import annotations
