@@ -62,6 +62,27 @@ def pareto(records: Sequence[dict[str, Any]], path: pathlib.Path, title: str) ->
     plt.close(fig)
 
 
+def grouped_bars(groups: Sequence[str], series: dict[str, Sequence[float]], path: pathlib.Path,
+                 ylabel: str, title: str, fmt: str = "{:.0f}") -> None:
+    """One group of bars per entry of ``groups``, one bar per series in each, values on top."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7.5, 3.4))
+    width = 0.8 / max(len(series), 1)
+    for i, (label, vals) in enumerate(series.items()):
+        xs = [j + i * width for j in range(len(groups))]
+        ax.bar(xs, vals, width, label=label, color=COLORS[i % len(COLORS)])
+        for x, v in zip(xs, vals):
+            ax.annotate(fmt.format(v), (x, v), ha="center", va="bottom", fontsize=7)
+    ax.set_xticks([j + width * (len(series) - 1) / 2 for j in range(len(groups))], groups,
+                  fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
 def bars(headline: Sequence[dict[str, Any]], path: pathlib.Path, title: str) -> None:
     """One bar per config (its headline run): output tok/s per GPU, mean TTFT, mean TPOT."""
     plt = pyplot()

@@ -29,7 +29,7 @@ import torch
 import triton
 
 from . import kernels as tk
-from ._plots import COLORS, pyplot
+from ._plots import grouped_bars
 
 _SRC = r"""
 #include <cuda_runtime.h>
@@ -235,24 +235,12 @@ def run(cases: list[tuple[int, int, int, int]]) -> dict:
 
 def plot(data: dict, path: pathlib.Path) -> None:
     """Share of the read ceiling per case, one bar per path (4 CTAs per SM)."""
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(7.5, 3.4))
     cases = data["cases"]
-    width = 0.8 / len(MODES)
-    for i, name in enumerate(MODES):
-        vals = [100 * c["paths"][f"{name}_x4"]["share"] for c in cases]
-        xs = [j + i * width for j in range(len(cases))]
-        ax.bar(xs, vals, width, label=name, color=COLORS[i % len(COLORS)])
-        for x, v in zip(xs, vals):
-            ax.annotate(f"{v:.0f}", (x, v), ha="center", va="bottom", fontsize=7)
-    ax.set_xticks([j + width * (len(MODES) - 1) / 2 for j in range(len(cases))],
-                  [f"{c['batch']} x {c['ctx']}\npage {c['page_size']}" for c in cases])
-    ax.set_ylabel(f"% of {data['read_tbs']:.2f} TB/s")
-    ax.set_title("NVFP4 pages read with no math, decode grid, 4 CTAs/SM", fontsize=9)
-    ax.legend(fontsize=7, loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    grouped_bars([f"{c['batch']} x {c['ctx']}\npage {c['page_size']}" for c in cases],
+                 {name: [100 * c["paths"][f"{name}_x4"]["share"] for c in cases]
+                  for name in MODES}, path, f"% of {data['read_tbs']:.2f} TB/s",
+                 "NVFP4 pages read with no math, decode grid, 4 CTAs/SM")
+
 
 
 def main() -> None:

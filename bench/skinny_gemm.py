@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._plots import COLORS, pyplot
+from ._plots import grouped_bars
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096),
           "down": (4096, 12288), "lm_head": (151936, 4096)}
@@ -216,8 +216,6 @@ def run(m: int, read_tbs: float, names: list[str]) -> list[dict]:
 
 def plot(data: dict, path: pathlib.Path) -> None:
     """Share of the read ceiling per projection (cuBLAS, Triton) or per chain variant."""
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(7, 3.4))
     res = data["results"]
     if res and "variants" in res[0]:
         names = list(res[0]["variants"])
@@ -228,19 +226,8 @@ def plot(data: dict, path: pathlib.Path) -> None:
         series = {"cuBLAS": [100 * r["cublas_share"] for r in res],
                   "Triton (best config)": [100 * r["triton_share"] for r in res]}
         title = f"decode-step projections, M = {res[0]['m'] if res else '?'}, cold weights"
-    width = 0.8 / len(series)
-    for i, (label, vals) in enumerate(series.items()):
-        xs = [j + i * width for j in range(len(names))]
-        ax.bar(xs, vals, width, label=label, color=COLORS[i % len(COLORS)])
-        for x, v in zip(xs, vals):
-            ax.annotate(f"{v:.0f}", (x, v), ha="center", va="bottom", fontsize=7)
-    ax.set_xticks([j + width * (len(series) - 1) / 2 for j in range(len(names))], names)
-    ax.set_ylabel(f"% of {data['read_tbs']} TB/s")
-    ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    grouped_bars(names, series, path, f"% of {data['read_tbs']} TB/s", title)
+
 
 
 def main() -> None:

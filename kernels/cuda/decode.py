@@ -188,7 +188,8 @@ def decode_attention_cuda(layout: PageLayout, pages: LayerPages, q: torch.Tensor
                           v_scale: float | torch.Tensor = 1.0, *,
                           out: torch.Tensor | None = None, num_splits: int | None = None,
                           max_seq_len: int | None = None,
-                          variant: int | None = None, combine: str = "auto") -> torch.Tensor:
+                          variant: int | None = None, combine: str = "auto",
+                          pdl: bool = False) -> torch.Tensor:
     """Paged GQA decode over NVFP4 or FP8 pages: ``q[b]`` attends over ``seq_lens[b]`` tokens.
 
     Args:
@@ -212,6 +213,13 @@ def decode_attention_cuda(layout: PageLayout, pages: LayerPages, q: torch.Tensor
             reduce kernel, two launches) or ``"auto"`` (fused up to
             :data:`FUSED_MAX_SPLITS` splits). ``"fused"`` takes up to
             :data:`FUSED_CAPACITY` splits.
+        pdl: launch as a programmatic dependent of the kernel before it on the stream
+            (which should call ``griddepcontrol.launch_dependents`` early, as
+            ``qkv_rope_store(pdl_trigger=True)`` does): the split CTAs start, and fill their
+            rings with every tile but each sequence's last, while that kernel runs, then
+            wait for it before reading q and the last tile. Only correct when that kernel
+            wrote nothing this one reads but ``q`` and the token at ``seq_lens[b] - 1``
+            (a decode step's fused QKV kernel).
     Returns:
         ``out``.
     Raises:
@@ -266,5 +274,5 @@ def decode_attention_cuda(layout: PageLayout, pages: LayerPages, q: torch.Tensor
     _module().decode(q, block_tables, seq_lens, pages.k_data, pages.v_data, ks, vs, page_stride,
                      layout.page_size, tpp_log2, hq // h, kgs, vgs,
                      sm_scale * LOG2E * (1.0 if fp8 else 128.0), part_o, part_ml, out, counters,
-                     nsplit, variant)
+                     nsplit, variant, bool(pdl))
     return out

@@ -67,13 +67,18 @@ def _qkv_kernel(qkv_ptr, cos_ptr, sin_ptr, slot_ptr, q_out_ptr, qn_ptr, kn_ptr, 
                 K_FMT: tl.constexpr, V_FMT: tl.constexpr, HW: tl.constexpr,
                 DOT_BF16: tl.constexpr, HAS_KV_OUT: tl.constexpr, SKO_T: tl.constexpr,
                 SKO_H: tl.constexpr, SVO_T: tl.constexpr, SVO_H: tl.constexpr,
-                BT: tl.constexpr, SPLIT: tl.constexpr, UNMAPPED_K_OUT: tl.constexpr):
+                BT: tl.constexpr, SPLIT: tl.constexpr, UNMAPPED_K_OUT: tl.constexpr,
+                PDL_TRIGGER: tl.constexpr = False):
     """Program ``(tile of BT tokens, h, z)``: query head ``h * G + z // SPLIT``
     (``z // SPLIT < G``), or K and V of head ``h`` (and, with ``HAS_KV_OUT``, their
     transformed rows into ``kout``/``vout``; with ``UNMAPPED_K_OUT`` K's row goes out before
     the map, shifted); with ``SPLIT == 2`` only output half
     ``z % 2`` of that head (every program still reads both input halves: the norm and RoPE
-    need them)."""
+    need them). ``PDL_TRIGGER``: let a grid launched as this one's programmatic dependent
+    (the CUDA decode kernel) start at once; it waits for this grid before reading its
+    outputs."""
+    if PDL_TRIGGER:
+        tl.extra.cuda.gdc_launch_dependents()
     D = 2 * HALF
     G = HQ // H
     h = tl.program_id(1)
@@ -174,7 +179,8 @@ def qkv_rope_store(layout: PageLayout, pages: LayerPages, qkv: torch.Tensor, num
                    *, out: torch.Tensor | None = None, k_out: torch.Tensor | None = None,
                    v_out: torch.Tensor | None = None,
                    tokens_per_program: int | None = None,
-                   split_halves: bool | None = None, unmapped_kv_out: bool = False) -> torch.Tensor:
+                   split_halves: bool | None = None, unmapped_kv_out: bool = False,
+                   pdl_trigger: bool = False) -> torch.Tensor:
     """QK-norm, RoPE, the K recipe and the K/V store from ``qkv`` in one launch; returns q'.
 
     Args:
@@ -205,6 +211,9 @@ def qkv_rope_store(layout: PageLayout, pages: LayerPages, qkv: torch.Tensor, num
             path for decode-sized inputs) instead of one per head. Default: below
             ``LONG_INPUT`` tokens. The same bytes in the interpreter; on a GPU the MMAs'
             fp32 sums may round differently in the last bit.
+        pdl_trigger: on CUDA, let the next kernel, if it is launched as a programmatic
+            dependent (``decode_attention_cuda(pdl=True)``), start while this one runs;
+            ignored elsewhere.
     Returns:
         ``out``: q' = ``rope(norm(q)) @ q_map``. K' = ``(rope(norm(k)) - k_shift) @ k_map`` and
         ``v - v_shift`` are quantized into the pages (see :func:`~.store.store_kv`).
@@ -242,7 +251,8 @@ def qkv_rope_store(layout: PageLayout, pages: LayerPages, qkv: torch.Tensor, num
     split = (t < LONG_INPUT) if split_halves is None else bool(split_halves)
     _launch(layout, pages, qkv, num_heads, cos, sin, slot_mapping, k_scale, v_scale,
             (q_norm, k_norm, k_shift, k_map, q_map, v_shift), eps, norm_offset, out,
-            (k_out, v_out), tokens_per_program, 2 if split else 1, unmapped_kv_out)
+            (k_out, v_out), tokens_per_program, 2 if split else 1, unmapped_kv_out,
+            pdl_trigger and device.type == "cuda")
     return out
 
 
@@ -260,7 +270,8 @@ def _check_kv_out(k_out: torch.Tensor | None, v_out: torch.Tensor | None,
 def _launch(layout: PageLayout, pages: LayerPages, qkv: torch.Tensor, num_heads: int,
             cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, k_scale, v_scale,
             params: tuple, eps: float, norm_offset: float, out: torch.Tensor,
-            kv_out: tuple, bt: int, split: int, unmapped_kv_out: bool = False) -> None:
+            kv_out: tuple, bt: int, split: int, unmapped_kv_out: bool = False,
+            pdl_trigger: bool = False) -> None:
     """Launch :func:`_qkv_kernel` on checked arguments (``params`` = q_norm, k_norm,
     k_shift, k_map, q_map, v_shift, each a tensor or None; ``kv_out`` = k_out, v_out)."""
     device = qkv.device
@@ -287,7 +298,7 @@ def _launch(layout: PageLayout, pages: LayerPages, qkv: torch.Tensor, num_heads:
         **has, K_FMT=kf, V_FMT=vf, HW=hw_fp8(device), DOT_BF16=device.type == "cuda",
         HAS_KV_OUT=kv_out[0] is not None, SKO_T=ko.stride(0), SKO_H=ko.stride(1),
         SVO_T=vo.stride(0), SVO_H=vo.stride(1), BT=bt, SPLIT=split, UNMAPPED_K_OUT=unmapped_kv_out,
-        num_warps=TILE_CHOICES[bt],
+        PDL_TRIGGER=pdl_trigger, num_warps=TILE_CHOICES[bt],
         enable_fp_fusion=False)
 
 

@@ -92,7 +92,8 @@ class TritonAttentionBackend(AttentionBackend):
             back to Triton there, with a warning).
         device_cfg: the device slice; its ``decode_kernel`` and ``store_kernel``
             (auto|triton|cuda) pick the kernels (None: both auto), and
-            ``disable_fused_kernels`` turns :meth:`forward_fused` off.
+            ``disable_fused_kernels`` turns :meth:`forward_fused` off and ``disable_pdl``
+            the decode kernel's programmatic dependent launch.
 
     Attributes:
         decode_impl: "cuda-sm90" or "triton", the decode kernel (see :mod:`.decode_select`).
@@ -110,6 +111,7 @@ class TritonAttentionBackend(AttentionBackend):
         decode_kernel, store_kernel = ("auto", "auto") if device_cfg is None else \
             (device_cfg.decode_kernel, device_cfg.store_kernel)
         self.fused = device_cfg is None or not device_cfg.disable_fused_kernels
+        self.pdl = device_cfg is None or not device_cfg.disable_pdl
         self.ragged_kernel = "auto" if device_cfg is None else device_cfg.prefill_attention_kernel
         if self.ragged_kernel == "cudnn" and not cudnn_available(pool.device):
             raise ConfigError("--prefill-attention-kernel cudnn needs CUDA with cuDNN >= 9")
@@ -308,14 +310,19 @@ class TritonAttentionBackend(AttentionBackend):
         unmapped = self._fresh_prompts_only() and params["q_map"] is not None
         if unmapped:
             params = {**params, "q_map": None}
+        # a decode-only step: the CUDA decode kernel follows the QKV kernel as its
+        # programmatic dependent (nothing runs between them; it reads only q and each
+        # sequence's newest token from what the QKV kernel writes)
+        pdl = (self.pdl and self.decode_impl == CUDA_SM90 and self._dec and self._dec_direct
+               and not kv_out)
         q = qkv_rope_store(self.layout, pages, inp.qkv, inp.num_heads, inp.cos, inp.sin,
                            self._slots, ks, vs, inp.q_norm, inp.k_norm, inp.eps, **params,
-                           **kv_out, unmapped_kv_out=unmapped)
+                           **kv_out, unmapped_kv_out=unmapped, pdl_trigger=pdl)
         out = torch.empty_like(q)
         if kv_out:
             self._prefill_extend(pages, q, kv_out["k_out"], kv_out["v_out"], out, ks, vs)
         if self._dec:
-            self._decode(pages, q, out, ks, vs)
+            self._decode(pages, q, out, ks, vs, pdl)
         return self._recipe.finish(layer, out)
 
     def _prefill_extend(self, pages, q, k, v, out, ks, vs) -> None:
@@ -362,13 +369,15 @@ class TritonAttentionBackend(AttentionBackend):
             self._set_decode(choice)
             self._dec_splits = self._splits_fn(*self._dec_shape, self.device)
 
-    def _decode(self, pages, q, out, ks, vs) -> None:
-        """One fused paged-decode launch for every decode sequence of the step."""
+    def _decode(self, pages, q, out, ks, vs, pdl: bool = False) -> None:
+        """One fused paged-decode launch for every decode sequence of the step (``pdl``: as
+        the programmatic dependent of the QKV kernel just launched; CUDA kernel only)."""
         if not self._group_checked:
             self._check_group(q.shape[1])
         if self._dec_direct:
+            extra = {"pdl": True} if pdl and self.decode_impl == CUDA_SM90 else {}
             self._decode_fn(self.layout, pages, q, self._dec_bt, self._dec_lens, self.sm_scale,
-                            ks, vs, out=out, num_splits=self._dec_splits)
+                            ks, vs, out=out, num_splits=self._dec_splits, **extra)
             return
         qd = q.index_select(0, self._dec_rows)
         od = self._decode_fn(self.layout, pages, qd, self._dec_bt, self._dec_lens,

@@ -263,6 +263,11 @@ class DeviceConfig:
                     "layer) instead of the fused Triton kernels (residual add + RMSNorm, "
                     "QK-norm + RoPE + K recipe + KV store, SiLU-and-mul; 10 per decode layer), "
                     "for A/B runs")
+    disable_pdl: bool = flag(
+        False, help="CUDA: launch the paged-decode kernel after the fused QKV kernel in the "
+                    "usual way, instead of as its programmatic dependent (PDL, default on "
+                    "sm_90: the decode kernel's CTAs start and fill their rings from the "
+                    "cached pages while the QKV kernel still runs), for A/B runs")
     tp_size: int = flag(
         1, aliases=("--tensor-parallel-size",),
         help="tensor parallelism: split the model over this many ranks (one process each; "

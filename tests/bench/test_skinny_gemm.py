@@ -50,3 +50,4 @@ def test_plots_of_both_kinds(tmp_path):
         path = tmp_path / f"{name}.png"
         sg.plot(json.loads(json.dumps(data)), path)
         assert path.stat().st_size > 1000
+

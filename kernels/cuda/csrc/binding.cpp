@@ -20,7 +20,8 @@ void decode(torch::Tensor q, torch::Tensor bt, torch::Tensor seq_lens, torch::Te
             torch::Tensor vd, torch::Tensor ks, torch::Tensor vs, int64_t page_stride,
             int64_t page_size, int64_t tpp_log2, int64_t group, torch::Tensor k_gs,
             torch::Tensor v_gs, double qk_scale, torch::Tensor part_o, torch::Tensor part_ml,
-            torch::Tensor out, torch::Tensor counters, int64_t nsplit, int64_t variant) {
+            torch::Tensor out, torch::Tensor counters, int64_t nsplit, int64_t variant,
+            bool pdl) {
   TORCH_CHECK(q.is_cuda() && kd.is_cuda(), "decode: CUDA tensors expected");
   const c10::cuda::CUDAGuard guard(q.device());
   Params p;
@@ -40,7 +41,7 @@ void decode(torch::Tensor q, torch::Tensor bt, torch::Tensor seq_lens, torch::Te
   p.out_dtype = dtype_code(out);
   const int batch = (int)q.size(0), hq = (int)q.size(1);
   void* stream = c10::cuda::getCurrentCUDAStream().stream();
-  launch_decode(p, batch, (int)variant, stream);
+  launch_decode(p, batch, (int)variant, stream, pdl);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (p.counters != nullptr) return;
   launch_reduce(p.part_o, p.part_ml, out.data_ptr(), out.stride(0), out.stride(1),

@@ -240,6 +240,7 @@ __global__ void __launch_bounds__(128, MINB) decode_kernel(const Params p) {
   if constexpr (PAIR == 1 && PIPE > 0) {
     warp_pairs_pipe<F, PIPE>(p, b, h, seq_len, t_lo, t_hi, lane, ring, q_loader, qk, st);
   } else {
+    grid_dep_wait();
     uint32_t qf[8][2];
     q_loader(qf);
     if (PIPE == 0) {
@@ -332,13 +333,24 @@ static const void* kernel_of(int variant, int* smem) {
   return nullptr;
 }
 
-void launch_decode(const Params& p, int batch, int variant, void* stream) {
+// pdl: launch as a programmatic dependent of the kernel before it on the stream, which may
+// then still be running (the kernel waits for it before reading q and the new token's tile).
+void launch_decode(const Params& p, int batch, int variant, void* stream, bool pdl) {
   int smem = 0;
   const void* f = kernel_of(variant, &smem);
   if (f == nullptr) return;                  // the wrapper admits known variants only
-  dim3 grid(p.nsplit, p.num_kv_heads, batch), block(kWarps * 32);
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(p.nsplit, p.num_kv_heads, batch);
+  cfg.blockDim = dim3(kWarps * 32);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = static_cast<cudaStream_t>(stream);
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
   void* args[] = {const_cast<Params*>(&p)};
-  cudaLaunchKernel(f, grid, block, args, smem, static_cast<cudaStream_t>(stream));
+  cudaLaunchKernelExC(&cfg, f, args);
 }
 
 void launch_reduce(const float* part_o, const float* part_ml, void* out, long long o_b,

@@ -29,7 +29,7 @@ struct StoreParams {                                    // NVFP4 quantize-and-st
   int page_size;
   const float* k_gs; const float* v_gs;
 };
-void launch_decode(const Params& p, int batch, int variant, void* stream);
+void launch_decode(const Params& p, int batch, int variant, void* stream, bool pdl);
 void launch_store(const StoreParams& p, int variant, void* stream);  // store.cu
 void launch_reduce(const float* part_o, const float* part_ml, void* out, long long o_b,
                    long long o_h, int out_dtype, int batch, int hq, int nsplit, void* stream);

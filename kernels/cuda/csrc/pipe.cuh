@@ -193,8 +193,15 @@ __device__ __forceinline__ void warp_tiles_pipe(const Params& p, int b, int h, i
   cp_wait<0>();
 }
 
+// Waits for the grid this one was launched as a programmatic dependent of (PDL: the fused
+// QKV kernel, which writes q and this step's K/V rows) to finish and flush; returns at once
+// in a grid launched without that attribute.
+__device__ __forceinline__ void grid_dep_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+
 // Two tiles per iteration over a PIPE-stage ring (PIPE even): pairs ahead in flight.
 // load_q(qf) runs after the first copies are issued, so that its latency overlaps theirs.
+// Under PDL those first copies also overlap the QKV kernel: they run before grid_dep_wait
+// unless they would read the sequence's last tile, the one holding the step's new token.
 template <class F, int PIPE, class QLoad>
 __device__ __forceinline__ void warp_pairs_pipe(const Params& p, int b, int h, int seq_len,
                                                 int t_lo, int t_hi, int lane, uint8_t* ring,
@@ -203,11 +210,14 @@ __device__ __forceinline__ void warp_pairs_pipe(const Params& p, int b, int h, i
   PageCursor pc;
   cursor_init(pc, p, b, seq_len, t_lo, lane);
   const uint32_t ring_s = static_cast<uint32_t>(__cvta_generic_to_shared(ring));
+  const bool fresh_first = min(t_hi, t_lo + PIPE - 2) * 16 >= seq_len;
+  if (fresh_first) grid_dep_wait();
 #pragma unroll
   for (int i = 0; i < PIPE - 2; ++i) {
     if (t_lo + i < t_hi) F::issue(ring_s + i * F::kStage, p, pc, ln, t_lo + i, lane);
     cp_commit();
   }
+  if (!fresh_first) grid_dep_wait();
   uint32_t qf[8][2];
   load_q(qf);
   const int end = min(seq_len, t_hi * 16);    // tokens past this belong to no tile of ours

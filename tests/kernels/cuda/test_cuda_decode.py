@@ -172,6 +172,59 @@ def test_decode_cuda_graph_replay_sees_new_inputs(fmt):
     assert _err(layout, pool, tables, lens2, q2, out.cpu()) < 3e-3
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_SM90, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8_e4m3"])
+def test_pdl_after_the_qkv_kernel_reads_its_writes(fmt):
+    """qkv_rope_store writes q and each sequence's newest token; the decode kernel launched
+    as its programmatic dependent (eagerly and from a CUDA graph) must see both: the same
+    bytes as the plain launch. Every other slot holds older K/V, so a last tile read before
+    the QKV kernel finished would change the output. Lengths cover a last tile that is the
+    only tile of a warp's range, a full last tile, and many splits."""
+    from nibble.kernels.triton import qkv_rope_store
+    seq_lens = (1, 16, 33, 1000, 4000)
+    layout, pool, tables, lens, _ = _case(seq_lens, 16, 2, 4, seed=21, fmt=fmt)
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(5)
+    qkv = (torch.randn(len(seq_lens), (8 + 2 * 2) * 128, generator=gen) * 2).to(dev, torch.bfloat16)
+    cos = torch.ones(len(seq_lens), 128, device=dev)
+    sin = torch.zeros(len(seq_lens), 128, device=dev)
+    last = lens.long() - 1
+    slots = (tables[torch.arange(len(seq_lens)), last // 16].long() * 16 + last % 16).to(dev)
+    t_d, l_d = tables.to(dev), lens.to(dev)
+    kgs = torch.tensor([K_SCALE], device=dev)
+    vgs = torch.tensor([V_SCALE], device=dev)
+
+    def step(pdl, view, out):
+        q = qkv_rope_store(layout, view, qkv, 8, cos, sin, slots, kgs, vgs, pdl_trigger=pdl)
+        decode_attention_cuda(layout, view, q, t_d, l_d, 128 ** -0.5, kgs, vgs, out=out,
+                              num_splits=6, pdl=pdl)
+
+    outs = []
+    for pdl, graphed in ((False, False), (True, False), (True, True)):
+        view = layout.layer_view(pool.to(dev), 1)
+        out = torch.full((len(seq_lens), 8, 128), float("nan"), device=dev)
+        if graphed:
+            step(False, layout.layer_view(pool.to(dev), 1), out)     # warm-up off the graph
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                step(pdl, view, out)
+            out.fill_(float("nan"))
+            graph.replay()
+        else:
+            step(pdl, view, out)
+        torch.cuda.synchronize()
+        outs.append(out.cpu())
+    stale = layout.layer_view(pool.to(dev), 1)        # the decode alone, before any store
+    q0 = qkv_rope_store(layout, layout.layer_view(pool.to(dev), 1), qkv, 8, cos, sin,
+                        torch.full_like(slots, -1), kgs, vgs)
+    before = decode_attention_cuda(layout, stale, q0, t_d, l_d, 128 ** -0.5, kgs, vgs,
+                                   num_splits=6, out=torch.empty_like(outs[0], device=dev))
+    assert torch.isfinite(outs[0]).all()
+    assert torch.equal(outs[1], outs[0]) and torch.equal(outs[2], outs[0])
+    assert not torch.equal(before.cpu(), outs[0])      # the new token matters to the output
+
+
 # ---------------------------------------------------------------- CPU: checks, no build
 
 def _cpu_args(fmt="nvfp4", d=128, s=16, h=2, hq=8, q_dtype=torch.bfloat16):

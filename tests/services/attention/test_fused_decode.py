@@ -157,3 +157,23 @@ def test_fused_matches_unfused_on_gpu_with_graphs(head_dim):
         # logit scale of ~4; FP8 0.05 with decode steps fused, 0.11-0.18 since prompt rows
         # are fused too: a flipped code in a prompt's K is read by every later step)
         _compare(model, kv, 0.35, device="cuda", near_ties=True, graph_max_bs=8, use_graphs=True)
+
+
+@pytest.mark.gpu
+def test_pdl_decode_gives_the_same_logits_on_gpu():
+    """The CUDA decode kernel launched as the QKV kernel's programmatic dependent (the
+    default) against the plain launch (--disable-pdl): it only changes when the decode's
+    CTAs start, so every step's logits are bit-identical, CUDA graphs included."""
+    model = tiny_model(tiny_arch("qwen3", head_dim=128, num_heads=8, num_kv_heads=2),
+                       torch.bfloat16).cuda()
+    for kv in ("nvfp4", "fp8_e4m3"):
+        runs = []
+        for off in (True, False):
+            eng = _engine(model, kv, "cuda", disable_fused_kernels=False, graph_max_bs=8,
+                          use_graphs=True, disable_pdl=off)
+            backend = eng.runner.backend
+            assert backend.decode_impl == "cuda-sm90" and backend.pdl is not off
+            with fused(model, True):
+                runs.append(run_scenario(eng, mixed_arrivals()))
+        assert runs[0][1] == runs[1][1]
+        assert all(torch.equal(a, b) for a, b in zip(runs[0][0], runs[1][0]))
