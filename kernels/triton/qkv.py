@@ -211,9 +211,9 @@ def qkv_rope_store(layout: PageLayout, pages: LayerPages, qkv: torch.Tensor, num
             path for decode-sized inputs) instead of one per head. Default: below
             ``LONG_INPUT`` tokens. The same bytes in the interpreter; on a GPU the MMAs'
             fp32 sums may round differently in the last bit.
-        pdl_trigger: on CUDA, let the next kernel, if it is launched as a programmatic
-            dependent (``decode_attention_cuda(pdl=True)``), start while this one runs;
-            ignored elsewhere.
+        pdl_trigger: on CUDA from compute capability 9.0, let the next kernel, if it is
+            launched as a programmatic dependent (``decode_attention_cuda(pdl=True)``), start
+            while this one runs; ignored elsewhere.
     Returns:
         ``out``: q' = ``rope(norm(q)) @ q_map``. K' = ``(rope(norm(k)) - k_shift) @ k_map`` and
         ``v - v_shift`` are quantized into the pages (see :func:`~.store.store_kv`).
@@ -249,10 +249,10 @@ def qkv_rope_store(layout: PageLayout, pages: LayerPages, qkv: torch.Tensor, num
     if t == 0:
         return out
     split = (t < LONG_INPUT) if split_halves is None else bool(split_halves)
+    pdl = pdl_trigger and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
     _launch(layout, pages, qkv, num_heads, cos, sin, slot_mapping, k_scale, v_scale,
             (q_norm, k_norm, k_shift, k_map, q_map, v_shift), eps, norm_offset, out,
-            (k_out, v_out), tokens_per_program, 2 if split else 1, unmapped_kv_out,
-            pdl_trigger and device.type == "cuda")
+            (k_out, v_out), tokens_per_program, 2 if split else 1, unmapped_kv_out, pdl)
     return out
 
 

@@ -56,7 +56,7 @@ def _blank(layout: PageLayout, pages, slots: torch.Tensor) -> None:
 
 
 def _run(device, fmt="nvfp4", hq=4, h=2, d=64, t=19, page=16, recipe=True, qk_norm=True,
-         v_shift=False, dtype=torch.float32, seed=0, bt=None, split=None):
+         v_shift=False, dtype=torch.float32, seed=0, bt=None, split=None, pdl_trigger=False):
     gen = torch.Generator().manual_seed(seed)
     layout = PageLayout(fmt, 2, h, d, page)
     npages = -(-t // page) + 2
@@ -80,7 +80,7 @@ def _run(device, fmt="nvfp4", hq=4, h=2, d=64, t=19, page=16, recipe=True, qk_no
     q = qkv_rope_store(layout, layout.layer_view(pool_dev, 1), qkv.to(device), hq,
                        cos.to(device), sin.to(device), slots.to(device), 0.5, 2.0,
                        **{k: dev(v) if isinstance(v, torch.Tensor) else v for k, v in kw.items()},
-                       tokens_per_program=bt, split_halves=split)
+                       tokens_per_program=bt, split_halves=split, pdl_trigger=pdl_trigger)
     return layout, pool_dev.cpu(), expect, slots, q.cpu(), q_ref
 
 
@@ -120,6 +120,16 @@ def test_qkv_no_qk_norm_group_one_head_dim_32_v_shift(device):
 def test_qkv_long_input_tiles(device, bt):
     """The prefill tiles (more tokens per program), a partial last tile included."""
     _check(_run(device, t=bt + 19, bt=bt, v_shift=True), 1e-5, 1e-3, 0.002)
+
+
+@pytest.mark.parametrize("device", [CPU, GPU])
+def test_pdl_trigger_changes_no_byte(device):
+    """The trigger only lets a programmatic dependent start early: q' and the pages are the
+    bytes of the plain launch (interpreted it is ignored; on a GPU it is compiled in)."""
+    kw = dict(t=16, seed=9) if device == "cpu" else dict(t=16, seed=9, hq=32, h=8, d=128,
+                                                         dtype=torch.bfloat16)
+    plain, trig = _run(device, **kw), _run(device, pdl_trigger=True, **kw)
+    assert torch.equal(plain[4], trig[4]) and torch.equal(plain[1], trig[1])
 
 
 @pytest.mark.parametrize("device", [CPU, GPU])
