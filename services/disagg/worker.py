@@ -41,7 +41,8 @@ from ..engine.async_engine import AsyncEngine
 from ..engine.builder import build_parts
 from ..engine.kv_connector import KVConnector
 from ..engine.types import GenerateRequest, RequestOutput, TokenLogprob
-from ..errors import ConfigError
+from ..errors import ConfigError, EngineDeadError
+from .exit_gate import ExitGate, serving
 from .rank_transfer import RankTransfers, group_checksum
 from .transfer_state import TransferError
 
@@ -146,6 +147,7 @@ class EngineWorker:
         self.ranks = RankTransfers(self.tp, self.pool.pages) if self.tp.size > 1 else None
         self.incarnation = os.urandom(8).hex()    # changes when Ray restarts the actor
         self._tickets: dict[str, str] = {}        # request id -> open transfer ticket id
+        self.gate = ExitGate(DEVICE_FAULT_EXIT_CODE)   # exits only once in-flight calls answered
         log.info("%s worker %s ready (%s transport)", role, worker_id, cfg.disagg.kv_transport)
 
     # ---- identity and state ----
@@ -158,12 +160,14 @@ class EngineWorker:
                 "model_name": self.engine.model_name}
 
     async def stats(self) -> dict:
-        """Gauges for the router's poll; a worker whose engine died of a device fault exits
-        here (non-zero), so Ray restarts the actor on a fresh device context."""
+        """Gauges for the router's poll. A worker whose engine died of a device fault raises
+        EngineDeadError here (the router routes around it) and exits (non-zero, so Ray
+        restarts the actor on a fresh device context) once every call in flight has
+        answered: the call that hit the fault reports its cause (exit_gate.py)."""
         if not self.engine.is_healthy():
-            log.critical("worker %s: %s; exiting so Ray restarts it", self.worker_id,
-                         self.engine.dead_reason or "engine thread gone")
-            os._exit(DEVICE_FAULT_EXIT_CODE)
+            why = f"worker {self.worker_id}: {self.engine.dead_reason or 'engine thread gone'}"
+            self.gate.request_exit(why)
+            raise EngineDeadError(f"{why}; restarting")
         s = self.engine.core.stats()
         s["free_pages"] = self.pool.allocator.num_free
         s["total_pages"] = self.pool.num_pages
@@ -181,6 +185,7 @@ class EngineWorker:
     async def flush_cache(self) -> bool:
         return await self.engine.flush_cache()
 
+    @serving
     async def abort(self, request_id: str) -> None:
         await self.engine.abort(request_id)
         await self.engine.call(self.connector.cancel, request_id)
@@ -190,6 +195,7 @@ class EngineWorker:
         return await self.engine.abort_all()
 
     # ---- decode role ----
+    @serving
     async def reserve(self, req: GenerateRequest, lease_s: float, deadline_s: float) -> dict:
         """Reserve pages for ``req``'s prompt; returns a signed ticket for the prefill worker."""
         res = await self.engine.call(self.connector.reserve, req, lease_s)
@@ -210,12 +216,15 @@ class EngineWorker:
             if self.ranks is not None:
                 self.ranks.close(request_id, consumed=False)
 
+    @serving
     async def extend_lease(self, request_id: str, lease_s: float) -> bool:
         return await self.engine.call(self.connector.extend, request_id, lease_s)
 
+    @serving
     async def cancel(self, request_id: str) -> bool:
         return await self.engine.call(self.connector.cancel, request_id)
 
+    @serving
     async def decode(self, req: GenerateRequest, ticket: TransferTicket, first_token: int,
                      checksum: str, tag: bytes, first_logprob: TokenLogprob | None = None):
         """Verify the pages the prefill worker wrote, then stream the rest of the request.
@@ -247,12 +256,14 @@ class EngineWorker:
             return await asyncio.to_thread(page_set_checksum, self.pool.pages, pages)
         return await self.engine.call(self.ranks.checksum, request_id, pages)
 
+    @serving
     async def generate(self, req: GenerateRequest):
         """Colocated generation on this worker (skipped prefill, or recompute after a failure)."""
         async for out in self.engine.generate(req):
             yield out
 
     # ---- prefill role ----
+    @serving
     async def prefill(self, req: GenerateRequest, ticket: TransferTicket, prefix_pages: int,
                       peer_endpoint: bytes, rank_peers: list | None = None) -> dict:
         """Compute ``req``'s prompt, write pages ``prefix_pages..`` into the reservation.

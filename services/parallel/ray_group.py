@@ -13,7 +13,8 @@ for one GPU and sees only it, so every rank computes on its ``cuda:0``.
 Lifetimes: the followers are owned by the rank-0 actor (not detached), so Ray kills them
 when it dies; when Ray restarts rank 0 (in the same bundle), it starts new followers. A
 follower that dies breaks the next collective on rank 0 (``DeviceFaultError``): rank 0's
-engine stops, its next stats poll exits the actor, and Ray restarts the group. A follower
+engine stops, its next stats poll makes the actor exit once its calls in flight have
+answered (``disagg/exit_gate.py``), and Ray restarts the group. A follower
 whose group broke exits too (``os._exit``): it holds a bundle and nothing else useful.
 """
 

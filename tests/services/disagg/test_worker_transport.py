@@ -71,21 +71,25 @@ def test_decode_accepts_only_a_checksum_signed_for_its_ticket():
         check_transfer(KEY, a, "c0ffee", b"", "c0ffee")
 
 
-def test_a_worker_whose_engine_died_exits_for_ray_to_restart_it(monkeypatch):
+def test_a_worker_whose_engine_died_exits_for_ray_to_restart_it():
+    """The poll gets EngineDeadError (the router routes around the worker) and the process
+    exits non-zero once no call is in flight (the calls' own order: test_exit_gate.py)."""
     import asyncio
     import types
 
     from nibble.services.disagg import worker as worker_mod
+    from nibble.services.disagg.exit_gate import ExitGate
+    from nibble.services.errors import EngineDeadError
 
-    exits = []
-
-    def fake_exit(code):
-        exits.append(code)
-        raise SystemExit(code)
-    monkeypatch.setattr(worker_mod.os, "_exit", fake_exit)
+    exits, timers = [], []
+    gate = ExitGate(worker_mod.DEVICE_FAULT_EXIT_CODE, exit_fn=exits.append,
+                    call_later=lambda delay, fn, *a: timers.append((delay, fn, a)))
     engine = types.SimpleNamespace(is_healthy=lambda: False,
                                    dead_reason="engine stopped after a device fault: ...")
-    fake = types.SimpleNamespace(engine=engine, worker_id="nibble-decode-0")
-    with pytest.raises(SystemExit):
+    fake = types.SimpleNamespace(engine=engine, worker_id="nibble-decode-0", gate=gate)
+    with pytest.raises(EngineDeadError, match="nibble-decode-0: engine stopped"):
         asyncio.run(worker_mod.EngineWorker.stats(fake))
-    assert exits == [worker_mod.DEVICE_FAULT_EXIT_CODE] and exits[0] != 0
+    assert exits == [] and gate.reason is not None
+    for _, fn, args in sorted(timers, key=lambda t: t[0]):
+        fn(*args)
+    assert exits[0] == worker_mod.DEVICE_FAULT_EXIT_CODE != 0
