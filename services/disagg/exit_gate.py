@@ -19,6 +19,7 @@ import functools
 import inspect
 import logging
 import os
+import threading
 from typing import Callable
 
 log = logging.getLogger(__name__)
@@ -61,12 +62,23 @@ class ExitGate:
             self._schedule()
 
     def _later(self) -> Callable:
-        return self._call_later or asyncio.get_running_loop().call_later
+        if self._call_later is not None:
+            return self._call_later
+        try:
+            return asyncio.get_running_loop().call_later
+        except RuntimeError:         # a generator finalized off the loop: a timer thread
+            return _thread_later
 
     def _schedule(self) -> None:
         if not self._scheduled:
             self._scheduled = True
             self._later()(self.flush_s, self._exit_fn, self.code)
+
+
+def _thread_later(delay: float, fn: Callable, *args) -> None:
+    timer = threading.Timer(delay, fn, args)
+    timer.daemon = True
+    timer.start()
 
 
 def serving(method):

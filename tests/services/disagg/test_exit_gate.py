@@ -111,3 +111,12 @@ def test_serving_counts_coroutines_and_generators_and_their_failures():
 
     asyncio.run(main())
     assert w.seen == [1, 1, 1, 1, 1] and gate.in_flight == 0
+
+
+def test_without_a_running_loop_the_exit_is_timed_by_a_thread():
+    """A stream finalized off the event loop (garbage collected) still schedules the exit."""
+    import threading
+    exited = threading.Event()
+    gate = ExitGate(70, exit_fn=lambda code: exited.set(), flush_s=0.0, max_wait_s=60.0)
+    gate.request_exit("engine dead")
+    assert exited.wait(10)
