@@ -262,7 +262,7 @@ def decode_attention_cuda(layout: PageLayout, pages: LayerPages, q: torch.Tensor
         raise KernelInputError(f"num_splits must be >= 1, got {num_splits}")
     if torch.cuda.get_device_capability(device) != (9, 0):
         raise KernelInputError("the CUDA decode kernel is built for sm_90a (Hopper)")
-    pf, pf_bytes = _check_l2_prefetch(l2_prefetch, device)
+    pf, pf_bytes = _check_l2_prefetch(l2_prefetch, device) if l2_prefetch is not None else (q, 0)
     if l2_prefetch_at not in WARM_AT:
         raise KernelInputError(f"l2_prefetch_at must be one of {tuple(WARM_AT)}, got "
                                f"{l2_prefetch_at!r}")
@@ -302,10 +302,8 @@ def decode_attention_cuda(layout: PageLayout, pages: LayerPages, q: torch.Tensor
     return out
 
 
-def _check_l2_prefetch(t: torch.Tensor | None, device: torch.device) -> tuple[torch.Tensor, int]:
-    """(tensor, bytes to prefetch) for the kernel; (an empty tensor, 0) for None."""
-    if t is None:
-        return torch.empty(0, dtype=torch.uint8, device=device), 0
+def _check_l2_prefetch(t: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, int]:
+    """(tensor, bytes to prefetch) for the kernel (0 bytes: the kernel ignores the tensor)."""
     if t.device != device:
         raise KernelInputError(f"l2_prefetch must be on {device}, got {t.device}")
     if not t.is_contiguous():
