@@ -252,24 +252,10 @@ def decode_attention_cuda(layout: PageLayout, pages: LayerPages, q: torch.Tensor
         raise KernelInputError(f"block_tables has {block_tables.shape[0]} rows, q {q.shape[0]}")
     fp8 = layout.fmt.k.name == "fp8_e4m3"
     variant = default_variant(layout) if variant is None else variant
-    allowed = FP8_VARIANTS if fp8 else VARIANTS + DIAG_VARIANTS
-    if variant not in allowed:
-        raise KernelInputError(f"variant must be one of {allowed} for {layout.kv_format}, got "
-                               f"{variant}")
-    if combine not in COMBINES:
-        raise KernelInputError(f"combine must be one of {COMBINES}, got {combine!r}")
-    if num_splits is not None and num_splits < 1:
-        raise KernelInputError(f"num_splits must be >= 1, got {num_splits}")
+    launched = _check_options(layout, variant, combine, num_splits, l2_prefetch, l2_prefetch_at)
     if torch.cuda.get_device_capability(device) != (9, 0):
         raise KernelInputError("the CUDA decode kernel is built for sm_90a (Hopper)")
     pf, pf_bytes = _check_l2_prefetch(l2_prefetch, device) if l2_prefetch is not None else (q, 0)
-    if l2_prefetch_at not in WARM_AT:
-        raise KernelInputError(f"l2_prefetch_at must be one of {tuple(WARM_AT)}, got "
-                               f"{l2_prefetch_at!r}")
-    launched = variant if l2_prefetch is None else variant + WARM_OFFSET * WARM_AT[l2_prefetch_at]
-    if launched != variant and launched not in WARM_VARIANTS:
-        raise KernelInputError(f"l2_prefetch needs a variant with an L2 warm-up twin "
-                               f"({DEFAULT_VARIANT}, {DEFAULT_FP8_VARIANT}), got {variant}")
     kgs = scale_tensor(k_scale, device, "k_scale")
     vgs = scale_tensor(v_scale, device, "v_scale")
     out = torch.empty_like(q) if out is None else out
@@ -300,6 +286,31 @@ def decode_attention_cuda(layout: PageLayout, pages: LayerPages, q: torch.Tensor
                      sm_scale * LOG2E * (1.0 if fp8 else 128.0), part_o, part_ml, out, counters,
                      nsplit, launched, bool(pdl), pf, pf_bytes, bool(l2_evict_last))
     return out
+
+
+def _check_options(layout: PageLayout, variant: int, combine: str, num_splits: int | None,
+                   l2_prefetch: torch.Tensor | None, l2_prefetch_at: str) -> int:
+    """The kernel variant to launch: ``variant``, or its L2 warm-up twin with ``l2_prefetch``.
+
+    Raises KernelInputError on an unknown variant, combine, split count or warm-up place."""
+    allowed = FP8_VARIANTS if layout.fmt.k.name == "fp8_e4m3" else VARIANTS + DIAG_VARIANTS
+    if variant not in allowed:
+        raise KernelInputError(f"variant must be one of {allowed} for {layout.kv_format}, got "
+                               f"{variant}")
+    if combine not in COMBINES:
+        raise KernelInputError(f"combine must be one of {COMBINES}, got {combine!r}")
+    if num_splits is not None and num_splits < 1:
+        raise KernelInputError(f"num_splits must be >= 1, got {num_splits}")
+    if l2_prefetch_at not in WARM_AT:
+        raise KernelInputError(f"l2_prefetch_at must be one of {tuple(WARM_AT)}, got "
+                               f"{l2_prefetch_at!r}")
+    if l2_prefetch is None:
+        return variant
+    twin = variant + WARM_OFFSET * WARM_AT[l2_prefetch_at]
+    if twin not in WARM_VARIANTS:
+        raise KernelInputError(f"l2_prefetch needs a variant with an L2 warm-up twin "
+                               f"({DEFAULT_VARIANT}, {DEFAULT_FP8_VARIANT}), got {variant}")
+    return twin
 
 
 def _check_l2_prefetch(t: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, int]:
