@@ -31,6 +31,7 @@ from nibble.kernels.cuda import decode_attention_cuda
 
 from . import kernels as tk
 from ._plots import grouped_bars
+from ._timing import replay_us
 
 HQ, H, D, LAYERS, HIDDEN = 32, 8, 128, 36, 4096
 WARMS = {"pair, warm at end": ("end", False), "pair, warm at end, evict_last": ("end", True),
@@ -72,15 +73,8 @@ def _graph(c: dict, form: str, splits: int) -> torch.cuda.CUDAGraph:
     return g
 
 
-def _time(g: torch.cuda.CUDAGraph, reps: int = 10) -> float:
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    g.replay()
-    a.record()
-    for _ in range(reps):
-        g.replay()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) * 1e3 / reps / LAYERS
+def _time(g: torch.cuda.CUDAGraph) -> float:
+    return replay_us(g, LAYERS)
 
 
 def _check(c: dict, splits: int) -> None:

@@ -22,12 +22,12 @@ import statistics
 
 import torch
 
-from nibble.kernels import PageLayout
 from nibble.kernels.cuda import decode_attention_cuda
 from nibble.kernels.triton import qkv_rope_store
 
 from . import kernels as tk
 from ._plots import grouped_bars
+from ._timing import replay_us
 from .fused_layers import _recipe
 
 HQ, H, D, LAYERS = 32, 8, 128, 36
@@ -70,15 +70,8 @@ def _graph(c: dict, pdl: bool, splits: int) -> torch.cuda.CUDAGraph:
     return g
 
 
-def _time(g: torch.cuda.CUDAGraph, reps: int = 10) -> float:
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    g.replay()
-    a.record()
-    for _ in range(reps):
-        g.replay()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) * 1e3 / reps / LAYERS
+def _time(g: torch.cuda.CUDAGraph) -> float:
+    return replay_us(g, LAYERS)
 
 
 def run(fmt: str, batch: int, ctx: int, page: int, rounds: int) -> dict:
