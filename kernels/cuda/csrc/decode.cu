@@ -211,26 +211,28 @@ __device__ __noinline__ void combine_splits(const SplitOut a, int b, int h, int 
     sum_partials(a, b, h, lane, warp, 0, groups, kSplitGroup, true);
 }
 
-// Part `part` of `parts` of the L2 warm-up (Params::l2_pf): one bulk prefetch (TMA) by the
-// lane 0 of each warp, so the operand of the kernel after this one (the O projection's weight)
-// is read from L2, not HBM. Issued once the CTA's pages are read (WARM 1: the KV still
+// Part `part` of `parts` of the L2 warm-up (Params::l2_pf), one per warp: bulk prefetches (TMA)
+// of at most kWarmChunk bytes each, the warp's lanes taking the chunks in turn, so the operand
+// of the kernel after this one (the O projection's weight) is read from L2, not HBM. Issued once the CTA's pages are read (WARM 1: the KV still
 // streaming through L2 from the CTAs yet to finish evicts little of it) or before the first
 // page (WARM 2: spread over the whole launch, kept only if evict_last outlives the KV stream).
 // Behind a call with scalar arguments so the main loop's register allocation does not see it
 // (as combine_splits).
+constexpr long long kWarmChunk = 16384;
 __device__ __noinline__ void l2_warm(const uint8_t* pf, long long bytes, int last,
-                                     long long part, long long parts) {
+                                     long long part, long long parts, int lane) {
   const long long per = ((bytes / 16 + parts - 1) / parts) * 16;
-  const long long lo = part * per, hi = min(lo + per, bytes);
-  if (lo >= hi) return;
-  const uint8_t* src = pf + lo;
-  const uint32_t n = (uint32_t)(hi - lo);
-  if (last) {
-    asm volatile("{.reg .b64 pol;\n createpolicy.fractional.L2::evict_last.b64 pol, 1.0;\n"
-                 " cp.async.bulk.prefetch.L2.global.L2::cache_hint [%0], %1, pol;}"
-                 :: "l"(src), "r"(n) : "memory");
-  } else {
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(src), "r"(n) : "memory");
+  const long long end = min(part * per + per, bytes);
+  for (long long lo = part * per + lane * kWarmChunk; lo < end; lo += 32 * kWarmChunk) {
+    const uint8_t* src = pf + lo;
+    const uint32_t n = (uint32_t)min(kWarmChunk, end - lo);
+    if (last) {
+      asm volatile("{.reg .b64 pol;\n createpolicy.fractional.L2::evict_last.b64 pol, 1.0;\n"
+                   " cp.async.bulk.prefetch.L2.global.L2::cache_hint [%0], %1, pol;}"
+                   :: "l"(src), "r"(n) : "memory");
+    } else {
+      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(src), "r"(n) : "memory");
+    }
   }
 }
 
@@ -262,9 +264,9 @@ __global__ void __launch_bounds__(128, MINB) decode_kernel(const Params p) {
   typedef typename std::conditional<FMT == 1, Fp8Fmt, Nvfp4Fmt<DQ>>::type F;
   uint8_t* ring = smem + warp * (PIPE > 0 ? PIPE : 1) * F::kStage;
   const auto warm = [&]() {
-    if (p.l2_pf != nullptr && lane == 0)
+    if (p.l2_pf != nullptr)
       l2_warm(p.l2_pf, p.l2_pf_bytes, p.l2_pf_last, ((long long)(b * gridDim.y + h) * gridDim.x
-              + c) * kWarps + warp, (long long)gridDim.x * gridDim.y * gridDim.z * kWarps);
+              + c) * kWarps + warp, (long long)gridDim.x * gridDim.y * gridDim.z * kWarps, lane);
   };
   if (WARM == 2) warm();
   if constexpr (PAIR == 1 && PIPE > 0) {
