@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 
 import pytest
 
@@ -120,3 +121,15 @@ def test_without_a_running_loop_the_exit_is_timed_by_a_thread():
     gate = ExitGate(70, exit_fn=lambda code: exited.set(), flush_s=0.0, max_wait_s=60.0)
     gate.request_exit("engine dead")
     assert exited.wait(10)
+
+
+def test_every_serving_method_of_the_worker_is_counted():
+    """A method that serves a request but is not counted could lose its reply to the exit;
+    only the router's own polls (identity, gauges, events) and the cache flush stay out."""
+    from nibble.services.disagg.worker import EngineWorker
+    public = {n for n, f in vars(EngineWorker).items() if not n.startswith("_") and
+              (inspect.iscoroutinefunction(f) or inspect.isasyncgenfunction(f))}
+    counted = {n for n in public if hasattr(getattr(EngineWorker, n), "__wrapped__")}
+    assert public - counted == {"info", "stats", "kv_events", "flush_cache", "abort_all"}
+    assert counted == {"abort", "reserve", "extend_lease", "cancel", "decode", "generate",
+                       "prefill"}
