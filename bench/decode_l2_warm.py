@@ -21,7 +21,6 @@ normal or evict_last priority; or before their first page, at evict_last), alter
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import statistics
 
@@ -31,7 +30,7 @@ from nibble.kernels.cuda import decode_attention_cuda
 
 from . import kernels as tk
 from ._plots import grouped_bars
-from ._timing import replay_us
+from ._timing import replay_us, save
 
 HQ, H, D, LAYERS, HIDDEN = 32, 8, 128, 36, 4096
 WARMS = {"pair, warm at end": ("end", False), "pair, warm at end, evict_last": ("end", True),
@@ -129,11 +128,7 @@ def main() -> None:
     a = ap.parse_args()
     tk.ONE = torch.ones(1, dtype=torch.float32, device="cuda")
     res = [run(fmt, b, a.context, a.page_size, a.rounds) for b in a.batch for fmt in a.formats]
-    path = pathlib.Path(a.out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    data = {"results": res}
-    path.write_text(json.dumps(data, indent=1))
-    plot(data, path.with_suffix(".png"))
+    save({"results": res}, a.out, plot)
 
 
 if __name__ == "__main__":

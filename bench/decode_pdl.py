@@ -16,7 +16,6 @@ the same bytes first, then timed alternately (``--rounds`` each, median).
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import statistics
 
@@ -27,7 +26,7 @@ from nibble.kernels.triton import qkv_rope_store
 
 from . import kernels as tk
 from ._plots import grouped_bars
-from ._timing import replay_us
+from ._timing import replay_us, save
 from .fused_layers import _recipe
 
 HQ, H, D, LAYERS = 32, 8, 128, 36
@@ -125,11 +124,7 @@ def main() -> None:
     tk.ONE = torch.ones(1, dtype=torch.float32, device="cuda")
     res = [run(fmt, b, a.context, a.page_size, a.rounds)
            for b in a.batch for fmt in ("fp8_e4m3", "nvfp4")]
-    path = pathlib.Path(a.out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    data = {"results": res}
-    path.write_text(json.dumps(data, indent=1))
-    plot(data, path.with_suffix(".png"))
+    save({"results": res}, a.out, plot)
 
 
 if __name__ == "__main__":

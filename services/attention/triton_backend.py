@@ -324,10 +324,8 @@ class TritonAttentionBackend(AttentionBackend):
         if kv_out:
             self._prefill_extend(pages, q, kv_out["k_out"], kv_out["v_out"], out, ks, vs)
         if self._dec:
-            w = inp.next_weight
-            warm = w if self.l2_warm != "off" and w is not None and w.device == q.device and \
-                w.is_contiguous() and w.data_ptr() % 16 == 0 else None
-            self._decode(pages, q, out, ks, vs, pdl, warm)
+            self._decode(pages, q, out, ks, vs, pdl,
+                         inp.next_weight if self.l2_warm != "off" else None)
         return self._recipe.finish(layer, out)
 
     def _prefill_extend(self, pages, q, k, v, out, ks, vs) -> None:
@@ -383,10 +381,10 @@ class TritonAttentionBackend(AttentionBackend):
             self._check_group(q.shape[1])
         if self._dec_direct:
             extra = {}
-            if self.decode_impl == CUDA_SM90:
-                extra = {**({"pdl": True} if pdl else {}), **({
-                    "l2_prefetch": warm, "l2_prefetch_at": self.l2_warm} if warm is not None
-                    else {})}
+            if self.decode_impl == CUDA_SM90 and pdl:
+                extra["pdl"] = True
+            if self.decode_impl == CUDA_SM90 and warm is not None:
+                extra.update(l2_prefetch=warm, l2_prefetch_at=self.l2_warm)
             self._decode_fn(self.layout, pages, q, self._dec_bt, self._dec_lens, self.sm_scale,
                             ks, vs, out=out, num_splits=self._dec_splits, **extra)
             return
