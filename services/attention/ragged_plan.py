@@ -16,14 +16,11 @@ import torch
 
 from nibble.kernels.ragged import ragged_causal_attention
 
+from ..host_copy import ints_to_device, to_device
 from .base import AttentionMetadata
 
 # gather(block_tables, prefix_lens, starts, out) dequantizes each prefix into out's rows.
 GatherFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, tuple], None]
-
-
-def _ints(values: list[int], device: torch.device, dtype=torch.int32) -> torch.Tensor:
-    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
 def _cumsum(values: list[int]) -> list[int]:
@@ -63,20 +60,20 @@ class RaggedPlan:
         cq, ck = _cumsum(n), _cumsum([x + y for x, y in zip(c, n)])
         starts = [meta.seq_starts[b] for b in seqs]
         block = all(starts[i] == starts[0] + cq[i] for i in range(len(seqs)))
-        rows = None if block else _ints(
-            [s + i for s, m in zip(starts, n) for i in range(m)], device, torch.int64)
+        rows = None if block else ints_to_device(
+            [s + i for s, m in zip(starts, n) for i in range(m)], device)
+        i32 = torch.int32
         plan = cls(spans=[(cq[i], n[i], ck[i], c[i] + n[i]) for i in range(len(seqs))],
-                   cu_q=_ints(cq, device), cu_k=_ints(ck, device), max_q=max(n),
-                   max_k=max(x + y for x, y in zip(c, n)), row0=starts[0], rows=rows,
+                   cu_q=ints_to_device(cq, device, i32), cu_k=ints_to_device(ck, device, i32),
+                   max_q=max(n), max_k=max(x + y for x, y in zip(c, n)), row0=starts[0], rows=rows,
                    num_q=cq[-1], num_k=ck[-1], prefix_bt=None, prefix_lens=None,
                    prefix_starts=None, fresh_rows=None)
         if any(c):
-            sel = torch.tensor(seqs).to(bt.device)
-            plan.prefix_bt = bt.index_select(0, sel).contiguous().to(device)
-            plan.prefix_lens = _ints(c, device)
-            plan.prefix_starts = _ints(ck[:-1], device)
-            plan.fresh_rows = _ints([ck[i] + c[i] + j for i in range(len(seqs))
-                                     for j in range(n[i])], device, torch.int64)
+            plan.prefix_bt = to_device(bt[seqs], device)      # bt: int32 on the host
+            plan.prefix_lens = ints_to_device(c, device, i32)
+            plan.prefix_starts = ints_to_device(ck[:-1], device, i32)
+            plan.fresh_rows = ints_to_device([ck[i] + c[i] + j for i in range(len(seqs))
+                                              for j in range(n[i])], device)
         return plan
 
     def take(self, x: torch.Tensor) -> torch.Tensor:

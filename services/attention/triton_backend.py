@@ -50,6 +50,7 @@ from nibble.kernels.triton.qkv import LONG_INPUT, warm_long_inputs
 from nibble.tiering import KVPool
 
 from ..errors import ConfigError
+from ..host_copy import ints_to_device, to_device
 from ..models.base import QKVInput
 from .base import AttentionBackend, AttentionMetadata, RecipeHook, fresh_kv, register_backend
 from .decode_select import (CUDA_SM90, DecodeChoice, confirm_group, select_decode_impl,
@@ -73,11 +74,6 @@ def _interpreting() -> bool:
     set before ``nibble.kernels.triton`` is first imported.
     """
     return bool(triton.knobs.runtime.interpret)
-
-
-def _dev_ints(values: list[int], device: torch.device, dtype=torch.int32) -> torch.Tensor:
-    """A host list -> 1-D integer tensor on ``device`` (one H2D copy, done in ``plan``)."""
-    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
 @register_backend("triton")
@@ -174,7 +170,8 @@ class TritonAttentionBackend(AttentionBackend):
     # ------------------------------------------------------------------ per step
 
     def plan(self, meta: AttentionMetadata) -> None:
-        """Move this step's indices to the device and allocate the extend workspace.
+        """Move this step's indices to the device and allocate the extend workspace, without
+        waiting for the device (``host_copy.to_device``: the step before may still run).
 
         Builds: ``_slots`` int64 ``[T]``; for decode ``_dec_bt`` int32 ``[Bd, M]``,
         ``_dec_lens`` int32 ``[Bd]`` (cached + 1), ``_dec_rows`` int64 ``[Bd]``
@@ -183,7 +180,7 @@ class TritonAttentionBackend(AttentionBackend):
         """
         dev = self.device
         self._refresh_scales()
-        self._slots = meta.slot_mapping.to(dev, non_blocking=True)
+        self._slots = to_device(meta.slot_mapping, dev)
         bt = meta.block_tables
         self._plan_decode(meta, bt)
         self._ragged = RaggedPlan.build(meta, bt, dev)
@@ -201,10 +198,9 @@ class TritonAttentionBackend(AttentionBackend):
         lens = [meta.cached_lens[b] + 1 for b in idx]
         # Every sequence decodes: the token stream is the decode batch, in order.
         self._dec_direct = len(idx) == len(meta.seq_starts) and meta.num_tokens == len(idx)
-        self._dec_rows = _dev_ints([meta.seq_starts[b] for b in idx], dev, torch.int64)
-        sel = torch.tensor(idx)
-        self._dec_bt = bt.index_select(0, sel.to(bt.device)).contiguous().to(dev)
-        self._dec_lens = _dev_ints(lens, dev)
+        self._dec_rows = ints_to_device([meta.seq_starts[b] for b in idx], dev)
+        self._dec_bt = to_device(bt[idx], dev)           # bt: int32 on the host
+        self._dec_lens = ints_to_device(lens, dev, torch.int32)
         self._dec_shape = (len(idx), self.layout.num_kv_heads, max(lens))
         self._dec_splits = self._splits_fn(*self._dec_shape, dev)
 

@@ -27,6 +27,7 @@ import torch
 
 from ..attention import AttentionBackend
 from ..errors import ConfigError
+from ..host_copy import copy_to
 from .step_inputs import kv_slots, padded_block_tables
 from .types import ScheduledSeq
 
@@ -107,7 +108,7 @@ class DecodeGraphRunner:
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every bucket, largest first, sharing one memory pool."""
-        self.model.rope.ensure(self.model.arch.max_position_embeddings, self.device)
+        self.model.reserve_positions(self.model.arch.max_position_embeddings)
         if not self.use_graphs:
             return
         start = time.perf_counter()
@@ -159,11 +160,11 @@ class DecodeGraphRunner:
         buf = self.buf
         if ids is None:
             ids = torch.tensor([s.token_ids[0] for s in seqs])
-        buf.input_ids[:n].copy_(ids, non_blocking=True)
-        buf.positions[:n].copy_(pos, non_blocking=True)
-        buf.slots[:n].copy_(kv_slots(table, torch.arange(n), pos, page_size), non_blocking=True)
-        buf.seq_lens[:n].copy_((pos + 1).to(torch.int32), non_blocking=True)
-        buf.block_tables[:n, :width].copy_(table, non_blocking=True)
+        copy_to(buf.input_ids[:n], ids)
+        copy_to(buf.positions[:n], pos)
+        copy_to(buf.slots[:n], kv_slots(table, torch.arange(n), pos, page_size))
+        copy_to(buf.seq_lens[:n], (pos + 1).to(torch.int32))
+        copy_to(buf.block_tables[:n, :width], table)
         if b > n:
             buf.input_ids[n:b].zero_()
             buf.positions[n:b].zero_()

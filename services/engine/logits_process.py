@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..host_copy import floats_to_device, ints_to_device
 from .types import ScheduledSeq, TokenLogprob
 
 
@@ -36,8 +37,7 @@ def process_logits(logits: torch.Tensor, picked: list[ScheduledSeq],
         row = out[i]
         if e.history is not None and (sp.repetition_penalty != 1.0 or sp.presence_penalty
                                       or sp.frequency_penalty):
-            hist = torch.tensor([t for t in e.history if 0 <= t < vocab], dtype=torch.long,
-                                device=device)
+            hist = ints_to_device([t for t in e.history if 0 <= t < vocab], device)
             if sp.repetition_penalty != 1.0:
                 seen = torch.zeros(vocab, dtype=torch.bool, device=device)
                 seen[hist] = True
@@ -48,14 +48,14 @@ def process_logits(logits: torch.Tensor, picked: list[ScheduledSeq],
                 counts = torch.bincount(gen, minlength=vocab)[:vocab].to(row.dtype)
                 row = row - sp.frequency_penalty * counts - sp.presence_penalty * (counts > 0)
         if sp.logit_bias:
-            ids = torch.tensor([t for t, _ in sp.logit_bias], dtype=torch.long, device=device)
-            vals = torch.tensor([b for _, b in sp.logit_bias], dtype=row.dtype, device=device)
+            ids = ints_to_device([t for t, _ in sp.logit_bias], device)
+            vals = floats_to_device([b for _, b in sp.logit_bias], device, row.dtype)
             row = row.index_add(0, ids, vals)
         if e.num_output < sp.min_tokens:
             stops = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(eos_ids))
             stops = [t for t in stops if 0 <= t < vocab]
             if stops:
-                row = row.index_fill(0, torch.tensor(stops, device=device), float("-inf"))
+                row = row.index_fill(0, ints_to_device(stops, device), float("-inf"))
         out[i] = row
     return out
 
@@ -100,9 +100,8 @@ def logprobs_of(processed: torch.Tensor, picked: list[ScheduledSeq],
     if not rows:
         return None
     device = processed.device
-    idx = torch.tensor(rows, dtype=torch.long, device=device)
-    temps = torch.tensor([picked[i].sampling.temperature or 1.0 for i in rows],
-                         dtype=torch.float32, device=device)
+    idx = ints_to_device(rows, device)
+    temps = floats_to_device([picked[i].sampling.temperature or 1.0 for i in rows], device)
     lp = torch.log_softmax(processed.index_select(0, idx).float() / temps.unsqueeze(1), dim=-1)
     chosen = lp.gather(1, tokens.index_select(0, idx).clamp(min=0).unsqueeze(1)).squeeze(1)
     widths = [picked[i].sampling.logprobs for i in rows]
@@ -134,7 +133,7 @@ def prompt_logprobs(compute_logits, seqs: list[ScheduledSeq], starts: list[int],
         for b in range(0, len(targets), PROMPT_ROWS):
             tgt = targets[b:b + PROMPT_ROWS]
             logp = torch.log_softmax(compute_logits(hidden[start + b:start + b + len(tgt)]), -1)
-            idx = torch.tensor(tgt, device=logp.device).unsqueeze(1)
+            idx = ints_to_device(tgt, logp.device).unsqueeze(1)
             chosen = logp.gather(1, idx).squeeze(1).tolist()
             top_v, top_i = (logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long()))
             for t, c, vs, ids in zip(tgt, chosen, top_v.tolist(), top_i.tolist()):

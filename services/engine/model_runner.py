@@ -8,6 +8,7 @@ import time
 import torch
 
 from ..attention import AttentionBackend, AttentionMetadata
+from ..host_copy import ints_to_device, to_device
 from .cuda_graph import DecodeGraphRunner
 from .grammar import GrammarBackend, GrammarError, Matcher
 from .logits_process import StepLogprobs, logprobs_of, process_logits, prompt_logprobs
@@ -120,21 +121,23 @@ class ModelRunner:
         """Eager forward of the step; logits ``[N, vocab]`` float32 of the sampled rows.
         ``ids``: the step's input ids (int64 ``[T]`` on the device) when they are not all
         known on the host (overlap scheduling); else built from ``token_ids``."""
+        # every input goes through to_device: a blocking host copy would wait for the step
+        # still running on the device and so undo overlap scheduling (host_copy.py)
         if ids is None:
-            ids = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.long,
-                               device=self.device)
+            ids = ints_to_device([t for s in seqs for t in s.token_ids], self.device)
         pos, token_rows = positions_of(seqs)
-        positions = pos.to(self.device)
+        positions = to_device(pos, self.device)
         meta = self._metadata(seqs, page_size, pos, token_rows)
         self.backend.plan(meta)
-        hidden = self.model(ids, positions, self.backend.bind(meta))
+        bound = max(s.start_pos + len(s.token_ids) for s in seqs)
+        hidden = self.model(ids, positions, self.backend.bind(meta), num_positions=bound)
         if any(s.sampling.prompt_logprobs is not None for s in seqs):
             self._prompt_lps = prompt_logprobs(self.model.compute_logits, seqs,
                                                meta.seq_starts, hidden)
         if rows is None:
             return None
         last = [meta.seq_starts[i] + meta.new_lens[i] - 1 for i, s in enumerate(seqs) if s.sample]
-        return self.model.compute_logits(hidden[torch.tensor(last, device=self.device)])
+        return self.model.compute_logits(hidden.index_select(0, ints_to_device(last, self.device)))
 
     def _sample(self, picked: list[ScheduledSeq], logits: torch.Tensor) -> WorkerOutput:
         """One token per row of ``logits`` ``[len(picked), vocab]`` float32.

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import DeviceFaultError
+from ..host_copy import ints_to_device, to_device
 from .faults import describe, is_device_fault
 from .logits_process import StepLogprobs
 from .step_stats import StepShape
@@ -294,8 +295,8 @@ def launch_ids(known: list[int], src: list[int] | None, prev_tokens: torch.Tenso
     wait for that step. Tensor-parallel followers build the same ids from rank 0's ``src`` and
     their copy of ``prev_tokens``."""
     if src is None:
-        return torch.tensor(known, dtype=torch.int64).to(device, non_blocking=True)
-    packed = torch.tensor([known, src], dtype=torch.int64).to(device, non_blocking=True)
+        return ints_to_device(known, device)
+    packed = to_device(torch.tensor([known, src], dtype=torch.int64), device)
     # a bad row's -1 becomes 0: that sequence is rolled back and this step's token dropped
     from_prev = prev_tokens.clamp(min=0)[packed[1].clamp(min=0)]
     return torch.where(packed[1] >= 0, from_prev, packed[0])

@@ -15,6 +15,8 @@ import torch
 
 from nibble.services.engine.types import SamplingParams
 
+from ..host_copy import floats_to_device, ints_to_device
+
 _MIN_TEMPERATURE = 1e-6
 
 
@@ -50,7 +52,7 @@ def sample(
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:
         return out
-    row_idx = torch.tensor(rows, device=logits.device, dtype=torch.long)
+    row_idx = ints_to_device(rows, logits.device)
     picked = _sample_rows(
         logits.index_select(0, row_idx).float(),
         [params[i] for i in rows],
@@ -72,9 +74,7 @@ def _sample_rows(
     device = logits.device
     vocab = logits.shape[1]
     # the clamp keeps logits / temperature finite for subnormal temperatures
-    temps = torch.tensor(
-        [max(p.temperature, _MIN_TEMPERATURE) for p in params], device=device, dtype=torch.float32
-    )
+    temps = floats_to_device([max(p.temperature, _MIN_TEMPERATURE) for p in params], device)
     scaled = logits / temps.unsqueeze(1)
 
     top_k = [p.top_k if p.top_k > 0 else vocab for p in params]
@@ -93,8 +93,8 @@ def _sample_rows(
         vals, ids = torch.topk(scaled, width, dim=-1)
     keep_sorted = _keep_sorted(
         vals,
-        torch.tensor(top_k, device=device, dtype=torch.long),
-        torch.tensor(top_p, device=device, dtype=torch.float32),
+        ints_to_device(top_k, device),
+        floats_to_device(top_p, device),
     )
     # back to vocab order: the draw then sees the same probabilities whichever
     # path (no filter, topk, full sort) the rest of the batch forced
@@ -108,7 +108,7 @@ def _min_p(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     min_p 0 untouched; the draw normalizes by the row's remaining mass)."""
     if not any(p.min_p > 0.0 for p in params):
         return probs
-    min_p = torch.tensor([p.min_p for p in params], device=probs.device, dtype=probs.dtype)
+    min_p = floats_to_device([p.min_p for p in params], probs.device, probs.dtype)
     floor = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
     return probs.masked_fill(probs < floor, 0.0)
 

@@ -112,15 +112,15 @@ class Gemma3CausalLM(CausalLM):
         self.embed_scale = float(torch.tensor(arch.hidden_size ** 0.5, dtype=dtype))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                attn: AttentionFn) -> torch.Tensor:
+                attn: AttentionFn, num_positions: int | None = None) -> torch.Tensor:
         """``input_ids``/``positions`` ``[T]`` int64 -> final-normed hidden ``[T, hidden]``.
 
         Same contract as :meth:`CausalLM.forward`.
         """
         x = self.embed_tokens(input_ids) * self.embed_scale
-        tables = {False: self.rope.lookup(positions, x.dtype)}
+        tables = {False: self.rope.lookup(positions, x.dtype, num_positions)}
         if self.arch.has_sliding_window:
-            tables[True] = self.rope_local.lookup(positions, x.dtype)
+            tables[True] = self.rope_local.lookup(positions, x.dtype, num_positions)
         for layer in self.layers:
             cos, sin = tables[layer.window is not None]
             x = layer(x, cos, sin, attn)

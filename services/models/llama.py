@@ -264,6 +264,13 @@ class CausalLM(nn.Module):
     def device(self) -> torch.device:
         return self.embed.device
 
+    def reserve_positions(self, length: int) -> None:
+        """Grow every RoPE table of the model to cover positions ``[0, length)`` on its
+        device now (before CUDA graphs capture lookups into them)."""
+        for table in vars(self).values():
+            if isinstance(table, RotaryCache):
+                table.ensure(length, self.device)
+
     def set_fused_kernels(self, enabled: bool) -> None:
         """Run the layers on the fused Triton kernels (see the module docstring); they run
         on CUDA, and on CPU only under Triton's interpreter (tests)."""
@@ -278,20 +285,22 @@ class CausalLM(nn.Module):
             torch.float32, torch.bfloat16) and layer_ops.available())
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                attn: AttentionFn) -> torch.Tensor:
+                attn: AttentionFn, num_positions: int | None = None) -> torch.Tensor:
         """Run all layers on a varlen token stream.
 
         Args:
             input_ids: ``[T]`` int64 token ids, sequences back to back.
             positions: ``[T]`` int64 position of each token within its sequence.
             attn: attention callable (see ``AttentionFn``).
+            num_positions: a host-known bound (exclusive) on ``positions``: the RoPE tables
+                are sized from it, not by reading ``positions`` back (a device sync).
 
         Returns:
             ``[T, hidden]`` final-normed hidden states in the model dtype; feed
             the rows to sample from into ``compute_logits``.
         """
         x = self.embed_tokens(input_ids)
-        cos, sin = self.rope.lookup(positions, x.dtype)
+        cos, sin = self.rope.lookup(positions, x.dtype, num_positions)
         if self.fused_kernels or self.cpu_layer_ops:
             cpu_ops = not self.fused_kernels
             if cpu_ops:

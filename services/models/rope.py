@@ -97,10 +97,16 @@ class RotaryCache:
         self.cos = (emb.cos() * self.mscale).to(device)
         self.sin = (emb.sin() * self.mscale).to(device)
 
-    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin ``[T, 1, head_dim]`` in ``dtype`` for int64 ``positions [T]``."""
-        if self.cos is None or self.cos.shape[0] < self.max_positions or self.cos.device != positions.device:
-            # Host sync only until the table covers the model's whole context.
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype, bound: int | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin ``[T, 1, head_dim]`` in ``dtype`` for int64 ``positions [T]``. ``bound``:
+        every position is below it, known on the host (an engine step's); without it the
+        tables are sized from ``positions.max()``, a device sync, until they cover the
+        model's whole context."""
+        if bound is not None:
+            self.ensure(bound, positions.device)
+        elif self.cos is None or self.cos.shape[0] < self.max_positions or \
+                self.cos.device != positions.device:
             need = int(positions.max()) + 1 if positions.numel() else 1
             self.ensure(need, positions.device)
         cos = self.cos.index_select(0, positions).unsqueeze(1).to(dtype)

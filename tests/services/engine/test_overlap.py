@@ -234,3 +234,40 @@ def test_nan_in_a_launched_last_chunk_keeps_the_prompt(fp32_model):
     assert eng.overlap.first_token_launches >= 1
     assert seen and seen[0][0] == list(prompts["b"]) and 0 < seen[0][1] < len(prompts["b"])
     pages_balance(eng)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fused", [True, False])
+def test_launched_steps_never_wait_for_the_device(fused):
+    """A launched step (prompt chunks beside decodes, a prompt's last chunk, decodes) is
+    planned and enqueued without one host sync, else the host would wait for the step still
+    running and overlap scheduling would hide nothing: torch's sync debug mode raises on any
+    (a blocking host copy, ``.item()``, ``.tolist()`` of a device tensor) inside the launch,
+    and a launch that raised would have run synchronously instead (counted here)."""
+    import torch
+    from tests.services.attention.conftest import make_engine_with, tiny_arch, tiny_model
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    model = tiny_model(tiny_arch("qwen3", head_dim=64), torch.float32).cuda()
+
+    def engine(overlap):
+        return make_engine_with(model, "triton", kv="nvfp4", device="cuda", graph_max_bs=8,
+                                use_graphs=True, overlap=overlap, chunked_prefill_size=16,
+                                max_prefill_tokens=40, disable_fused_kernels=not fused)
+    ref = run_all(engine(False), mixed())
+    eng = engine(True)
+    real, kinds = eng.overlap._launch, []
+
+    def guarded(batch, prev):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            launched = real(batch, prev)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        chunks = any(len(e.token_ids) > 1 for e in batch.seqs)
+        kinds.append("fell back" if launched is None else "chunks" if chunks else "decode")
+        return launched
+    eng.overlap._launch = guarded
+    assert run_all(eng, mixed()) == ref
+    assert "fell back" not in kinds, kinds
+    assert kinds.count("chunks") >= 2 and kinds.count("decode") >= 4, kinds

@@ -33,8 +33,8 @@ class _Tap:
         self.model = model
         self.steps: list[Step] = []
 
-    def __call__(self, ids, positions, attn):
-        hidden = self.model(ids, positions, attn)
+    def __call__(self, ids, positions, attn, num_positions=None):
+        hidden = self.model(ids, positions, attn, num_positions)
         self.steps.append(Step(int(positions[0]), len(ids), hidden.detach().float().clone()))
         return hidden
 
