@@ -13,7 +13,7 @@ Layout (all sequences back to back):
 
 :func:`ragged_causal_attention` runs on CUDA for fp16/bf16 either one FlashAttention-2
 varlen launch (no score matrix, no mask tensor, no repeated K/V heads) or, on Hopper for a
-few long sequences, cuDNN's fused attention twice per sequence
+few long sequences, cuDNN's fused attention two or three times per sequence
 (:mod:`nibble.kernels.ragged_cudnn`, 1.6-1.9x faster there); :func:`choose_kernel` picks.
 Elsewhere it loops over sequences with torch SDPA and a lower-right causal bias.
 :func:`ragged_causal_attention_ref` is the fp32 reference with explicit masks.
@@ -27,13 +27,13 @@ import torch
 from torch.nn.attention.bias import causal_lower_right
 
 from .errors import KernelInputError
-from .ragged_cudnn import (KEY_BLOCK, Q_BUCKET, cudnn_available, cudnn_dense,
+from .ragged_cudnn import (KEY_BLOCK, MID_BLOCK, Q_BUCKET, cudnn_available, cudnn_dense,
                            split_attention)
 from .triton.lse_merge import merge_lse_into
 
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
 RAGGED_KERNELS = ("auto", "fa2", "cudnn")    # the choices of --prefill-attention-kernel
-# auto takes cuDNN on sm_90 for at most this many sequences (two launches each per layer)
+# auto takes cuDNN on sm_90 for at most this many sequences (two or three launches each per layer)
 # of at least this many query rows in all; below, FlashAttention-2's one launch.
 CUDNN_AUTO_MAX_SEQS = 4
 CUDNN_AUTO_MIN_ROWS = 256
@@ -121,7 +121,8 @@ def ragged_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         spans = _spans(cu_q, cu_k)
     if route == "cudnn":           # contiguous: one stride pattern, so cached cuDNN plans apply
         return split_attention(q.contiguous(), k.contiguous(), v.contiguous(), spans, scale,
-                               cudnn_dense, Q_BUCKET, KEY_BLOCK, merge=merge_lse_into)
+                               cudnn_dense, Q_BUCKET, KEY_BLOCK, merge=merge_lse_into,
+                               mid_block=MID_BLOCK)
     out = torch.empty_like(q)
     group = q.shape[1] // k.shape[1]
     for qs, n, ks, kn in spans:

@@ -3,10 +3,11 @@
 Same layout as :mod:`nibble.kernels.ragged` (``q [sum n_b, Hq, D]``, ``k``/``v``
 ``[sum (c_b + n_b), H, D]``, host ``spans`` ``(q_start, n_b, k_start, c_b + n_b)``).
 cuDNN's dense attention has top-left causal alignment only, and its varlen entry gave
-wrong outputs on the lent H200 (docs/benchmarks.md), so each sequence is split in two
-dense calls over disjoint keys: its ``n x c`` prefix (no mask) and its own ``n x n``
-causal square, combined by their log-sum-exp (:func:`merge_by_lse`). On the H200 this
-is 1.6-1.9x FlashAttention-2's varlen forward at the Qwen3-8B head shape.
+wrong outputs on the lent H200 (docs/benchmarks.md), so each sequence is split in dense
+calls over disjoint keys (:func:`split_plan`): the prefix in whole key blocks (no mask),
+the rest of the prefix in whole mid blocks (no mask), and a causal square over the last
+keys, combined by their log-sum-exp (:func:`merge_by_lse`). On the H200 this is 1.6-1.9x
+FlashAttention-2's varlen forward at the Qwen3-8B head shape.
 
 :func:`split_attention` holds the split and merge with the dense call passed in, so the
 composition is tested on CPU with a torch dense attention (:func:`dense_attention_ref`).
@@ -14,7 +15,7 @@ composition is tested on CPU with a torch dense attention (:func:`dense_attentio
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -22,109 +23,148 @@ import torch
 DenseFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool, float],
                    tuple[torch.Tensor, torch.Tensor]]
 
-# merge(out [n, Hq, D], o1, lse1, o2, lse2): the two parts' first n rows merged into out.
-MergeFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
-                   torch.Tensor]
+# merge(out [n, Hq, D], o1, lse1, o2, lse2[, o3, lse3]): the parts' first n rows merged into out.
+MergeFn = Callable[..., torch.Tensor]
 
 CUDNN_MIN_VERSION = 90000     # cuDNN 9: the SDPA graphs torch builds
-# Shape buckets of the server's calls (split_attention): query rows round up to Q_BUCKET,
-# the unmasked prefix part covers whole KEY_BLOCKs (the rest joins the causal square).
+# Shape buckets of the server's calls (split_plan): query rows round up to Q_BUCKET, the
+# first unmasked part covers whole KEY_BLOCKs of the prefix, the second whole MID_BLOCKs of
+# the rest, and the rest joins the causal square (fewer than MID_BLOCK zero rows lead it).
 Q_BUCKET = 512
 KEY_BLOCK = 4096
+MID_BLOCK = 1024
 
 
-def merge_by_lse(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor
+class DenseCall(NamedTuple):
+    """One dense attention call of a sequence's chunk (host ints, see :func:`split_plan`)."""
+
+    lead: int       # zero query rows before the chunk's own (causal square only)
+    rows: int       # query rows: lead + n padded to the query bucket
+    key0: int       # first key, counted from the sequence's first
+    keys: int       # keys read (the square pads them with zeros up to ``rows``)
+    causal: bool    # top-left causal (the square) or no mask
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def split_plan(c: int, n: int, q_bucket: int = 1, key_block: int = 1, mid_block: int = 0
+               ) -> list[DenseCall]:
+    """The dense calls that attend ``n`` chunk rows over ``c`` prefix keys and themselves
+    (bottom-right causal): with ``p = c - c % key_block`` and ``m`` the whole ``mid_block``s
+    of ``c - p``, an unmasked call over keys ``[0, p)``, one over ``[p, p + m)``, and a causal
+    square over ``[p + m, c + n)`` whose ``c - p - m`` leading query rows are zero dummies
+    (so real row ``i`` sees the prefix's tail and its own rows up to ``i``); empty parts are
+    left out. The dummy rows cost the square their triangle: without the middle part they
+    could number up to ``key_block - 1``, whose ``r^2/2`` scores cost a 2K chunk up to
+    ~10 ms a step on the H200 (docs/benchmarks.md). ``mid_block`` 0: no middle part."""
+    p = c - c % key_block
+    m = (c - p) - (c - p) % mid_block if mid_block else 0
+    lead = c - p - m
+    nb = _round_up(n, q_bucket)
+    calls = [DenseCall(0, nb, start, size, False) for start, size in ((0, p), (p, m)) if size]
+    calls.append(DenseCall(lead, _round_up(lead + n, q_bucket), p + m, lead + n, True))
+    return calls
+
+
+def merge_by_lse(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor,
+                 o3: torch.Tensor | None = None, lse3: torch.Tensor | None = None
                  ) -> torch.Tensor:
-    """One attention from two partial ones over disjoint key sets.
+    """One attention from two (or three) partial ones over disjoint key sets.
 
-    ``o1``/``o2``: ``[..., S, D]`` (any float dtype), each normalised over its own keys;
-    ``lse1``/``lse2``: fp32 ``[..., S]``, the log-sum-exp of their scaled scores.
+    ``o1``/``o2``/``o3``: ``[..., S, D]`` (any float dtype), each normalised over its own keys;
+    ``lse1``/``lse2``/``lse3``: fp32 ``[..., S]``, the log-sum-exp of their scaled scores.
     Returns ``o1``'s dtype and shape.
     """
-    m = torch.maximum(lse1, lse2)
-    w1, w2 = torch.exp(lse1 - m), torch.exp(lse2 - m)
-    den = w1 + w2
-    out = o1.float() * (w1 / den).unsqueeze(-1) + o2.float() * (w2 / den).unsqueeze(-1)
+    parts = [(o1, lse1), (o2, lse2)] + ([(o3, lse3)] if o3 is not None else [])
+    m = torch.stack([lse for _, lse in parts]).amax(0)
+    ws = [torch.exp(lse - m) for _, lse in parts]
+    den = sum(ws)
+    out = sum(o.float() * (w / den).unsqueeze(-1) for (o, _), w in zip(parts, ws))
     return out.to(o1.dtype)
 
 
 def merge_into(out: torch.Tensor, o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor,
-               lse2: torch.Tensor) -> torch.Tensor:
+               lse2: torch.Tensor, o3: torch.Tensor | None = None,
+               lse3: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`merge_by_lse` of the first ``n`` rows written into ``out [n, Hq, D]``
-    (``o1``/``o2`` ``[1, Hq, >= n, D]``, ``lse1``/``lse2`` fp32 ``[1, Hq, >= n]``); the torch
-    form of :func:`nibble.kernels.triton.lse_merge.merge_lse_into`."""
+    (``o*`` ``[1, Hq, >= n, D]``, ``lse*`` fp32 ``[1, Hq, >= n]``); the torch form of
+    :func:`nibble.kernels.triton.lse_merge.merge_lse_into`."""
     n = out.shape[0]
-    o = merge_by_lse(o1[:, :, :n], lse1[..., :n], o2[:, :, :n], lse2[..., :n])
+    third = (o3[:, :, :n], lse3[..., :n]) if o3 is not None else ()
+    o = merge_by_lse(o1[:, :, :n], lse1[..., :n], o2[:, :, :n], lse2[..., :n], *third)
     out.copy_(o.squeeze(0).transpose(0, 1))
     return out
 
 
 def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     spans: list[tuple[int, int, int, int]], scale: float, dense: DenseFn,
-                    q_bucket: int = 1, key_block: int = 1, merge: MergeFn = merge_into
-                    ) -> torch.Tensor:
-    """Ragged bottom-right causal attention from two ``dense`` calls per sequence -> ``[Tq, Hq, D]``.
+                    q_bucket: int = 1, key_block: int = 1, merge: MergeFn = merge_into,
+                    mid_block: int = 0) -> torch.Tensor:
+    """Ragged bottom-right causal attention from up to three ``dense`` calls per sequence
+    (:func:`split_plan`) -> ``[Tq, Hq, D]``.
 
-    Sequence ``b``'s ``c`` prefix keys split at ``p = c - c % key_block``: its queries see
-    keys ``[0, p)`` fully (no mask) and keys ``[p, c + n)`` through a top-left causal
-    square whose first ``c % key_block`` query rows are zero dummies, so the real row
-    ``i`` sees the prefix's tail and its own rows up to ``i``. Query rows, and the
-    square's keys, are zero-padded at the end to multiples of ``q_bucket`` (padded keys
-    are seen by padded queries only). The buckets bound the distinct shapes, and so the
-    execution plans cuDNN builds, 65-130 ms each on the H200 (:func:`warm_plans`).
-    ``merge`` combines the two parts into the output rows (:func:`merge_into`, or the fused
-    Triton kernel on a GPU).
+    Query rows, and the square's keys, are zero-padded at the end to multiples of
+    ``q_bucket`` (padded keys are seen by padded queries only). The buckets bound the
+    distinct shapes, and so the execution plans cuDNN builds, 65-130 ms each on the H200
+    (:func:`warm_plans`). ``merge`` combines the parts into the output rows
+    (:func:`merge_into`, or the fused Triton kernel on a GPU).
     """
     out = torch.empty_like(q)
     for qs, n, ks, kn in spans:
         if n == 0:
             continue
-        c = kn - n
-        p = c - c % key_block
-        r = c - p
         qq = q[qs:qs + n]
-        size = _round_up(r + n, q_bucket)
-        sq, sk, sv = (_heads_first(_padded(x, lead, size)) for x, lead in
-                      ((qq, r), (k[ks + p:ks + kn], 0), (v[ks + p:ks + kn], 0)))
-        o, lse = dense(sq, sk, sv, True, scale)
-        o, lse = o[:, :, r:r + n], lse[:, :, r:r + n]
-        if not p:
-            out[qs:qs + n] = o.squeeze(0).transpose(0, 1)
-            continue
-        pq = _heads_first(_padded(qq, 0, _round_up(n, q_bucket)))
-        op, lsep = dense(pq, _heads_first(k[ks:ks + p]), _heads_first(v[ks:ks + p]), False, scale)
-        merge(out[qs:qs + n], op, lsep, o, lse)
+        parts, pq = [], None
+        for call in split_plan(kn - n, n, q_bucket, key_block, mid_block):
+            kk = k[ks + call.key0:ks + call.key0 + call.keys]
+            vv = v[ks + call.key0:ks + call.key0 + call.keys]
+            if call.causal:
+                sq, sk, sv = (_heads_first(_padded(x, lead, call.rows)) for x, lead in
+                              ((qq, call.lead), (kk, 0), (vv, 0)))
+                o, lse = dense(sq, sk, sv, True, scale)
+                rows = slice(call.lead, call.lead + n)
+                parts.append((o[:, :, rows], lse[:, :, rows]))
+                continue
+            if pq is None:          # the unmasked parts share one padded copy of q
+                pq = _heads_first(_padded(qq, 0, call.rows))
+            parts.append(dense(pq, _heads_first(kk), _heads_first(vv), False, scale))
+        if len(parts) == 1:
+            out[qs:qs + n] = parts[0][0].squeeze(0).transpose(0, 1)
+        else:
+            merge(out[qs:qs + n], *(t for part in parts for t in part))
     return out
 
 
 def warm_plans(num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                device: torch.device, max_chunk: int, context: int,
                q_bucket: int = Q_BUCKET, key_block: int = KEY_BLOCK,
-               dense: DenseFn | None = None) -> int:
+               dense: DenseFn | None = None, mid_block: int = MID_BLOCK) -> int:
     """Builds cuDNN's plans for every bucketed shape of a chunk of up to ``max_chunk`` rows
     over a prefix of up to ``context`` rows (the server calls it once at start, beside the
     CUDA-graph capture); returns how many shapes it ran. ``dense``: the call to warm
     (default :func:`cudnn_dense`)."""
     dense = dense or cudnn_dense
     n_max = _round_up(max_chunk, q_bucket)
-    rows = max(n_max + key_block, context)
-    q = torch.zeros(n_max + key_block, num_q_heads, head_dim, dtype=dtype, device=device)
-    kv = torch.zeros(rows, num_kv_heads, head_dim, dtype=dtype, device=device)
+    most_lead = min(key_block, mid_block or key_block) - 1
+    square_max = _round_up(n_max + most_lead, q_bucket)
+    q = torch.zeros(square_max, num_q_heads, head_dim, dtype=dtype, device=device)
+    kv = torch.zeros(max(square_max, context), num_kv_heads, head_dim, dtype=dtype,
+                     device=device)
+    unmasked = sorted(set(range(key_block, context, key_block)) |
+                      set(range(mid_block, key_block, mid_block) if mid_block else ()))
     shapes = 0
     with torch.inference_mode():
-        for size in range(q_bucket, n_max + key_block + 1, q_bucket):
+        for size in range(q_bucket, square_max + 1, q_bucket):
             dense(*(_heads_first(x[:size]) for x in (q, kv, kv)), True, 1.0)
             shapes += 1
         for nb in range(q_bucket, n_max + 1, q_bucket):
-            for p in range(key_block, context, key_block):
-                dense(_heads_first(q[:nb]), _heads_first(kv[:p]), _heads_first(kv[:p]), False,
-                      1.0)
+            for keys in unmasked:
+                dense(_heads_first(q[:nb]), _heads_first(kv[:keys]), _heads_first(kv[:keys]),
+                      False, 1.0)
                 shapes += 1
     return shapes
-
-
-def _round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
 
 
 def _padded(x: torch.Tensor, lead: int, total: int) -> torch.Tensor:
@@ -132,8 +172,11 @@ def _padded(x: torch.Tensor, lead: int, total: int) -> torch.Tensor:
     when nothing pads."""
     if lead == 0 and total == x.shape[0]:
         return x
-    out = x.new_zeros((total, *x.shape[1:]))
-    out[lead:lead + x.shape[0]] = x
+    end = lead + x.shape[0]
+    out = x.new_empty((total, *x.shape[1:]))       # zeros written to the padding rows only
+    out[:lead].zero_()
+    out[lead:end] = x
+    out[end:].zero_()
     return out
 
 

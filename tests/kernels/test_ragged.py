@@ -9,7 +9,7 @@ from nibble.kernels.errors import KernelInputError
 from nibble.kernels.ragged import (choose_kernel, flash_applies, ragged_causal_attention,
                                    ragged_causal_attention_ref)
 from nibble.kernels.ragged_cudnn import (dense_attention_ref, merge_by_lse, split_attention,
-                                         warm_plans)
+                                         split_plan, warm_plans)
 
 # (cached prefix, new rows) per sequence: a prefill, extends, a one-row chunk, an empty chunk.
 SEQS = [(0, 9), (24, 7), (5, 1), (40, 16), (3, 0)]
@@ -74,16 +74,42 @@ def _spans(cq, ck):
 
 
 @pytest.mark.parametrize("hq,h", [(8, 2), (4, 4)])
-@pytest.mark.parametrize("q_bucket,key_block", [(1, 1), (4, 8), (16, 16), (3, 64)])
-def test_split_and_merge_match_reference(hq, h, q_bucket, key_block):
-    """The cuDNN route's composition (whole key blocks of the prefix without mask, the rest
-    through a causal square with dummy leading rows, rows padded to buckets, merged by
-    log-sum-exp) with a torch dense attention in cuDNN's place."""
-    q, k, v, cq, ck, _, _ = _case(SEQS, hq, h)
+@pytest.mark.parametrize("q_bucket,key_block,mid_block", [
+    (1, 1, 0), (4, 8, 0), (16, 16, 0), (3, 64, 0), (4, 32, 8), (1, 16, 4), (3, 64, 9)])
+def test_split_and_merge_match_reference(hq, h, q_bucket, key_block, mid_block):
+    """The cuDNN route's composition (whole key blocks of the prefix without mask, whole mid
+    blocks of the rest without mask, the rest through a causal square with dummy leading rows,
+    rows padded to buckets, merged by log-sum-exp) with a torch dense attention in cuDNN's
+    place."""
+    seqs = SEQS + [(37, 5), (29, 3)]            # two and three parts with mid blocks of 8
+    q, k, v, cq, ck, _, _ = _case(seqs, hq, h)
     got = split_attention(q, k, v, _spans(cq, ck), 0.125, dense_attention_ref, q_bucket,
-                          key_block)
+                          key_block, mid_block=mid_block)
     want = ragged_causal_attention_ref(q, k, v, cq, ck, 0.125)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mid_block", [0, 1024])
+def test_split_plan_covers_every_key_once_with_few_dummy_rows(mid_block):
+    """The calls read keys [0, c + n) once each, in order; the square's dummy rows stay below
+    the mid block (below the key block without one); the square is the only masked call."""
+    qb, kb = 512, 4096
+    for c in list(range(0, 40000, 2040)) + [4095, 4096, 5119, 5120, 8191]:
+        for n in (1, 128, 2040, 2048):
+            calls = split_plan(c, n, qb, kb, mid_block)
+            assert [x.key0 for x in calls] == [sum(x.keys for x in calls[:i])
+                                              for i in range(len(calls))]
+            assert sum(x.keys for x in calls) == c + n
+            assert [x.causal for x in calls] == [False] * (len(calls) - 1) + [True]
+            assert calls[-1].lead < (mid_block or kb) and calls[-1].rows % qb == 0
+            for x in calls[:-1]:            # whole key blocks, then whole mid blocks
+                assert x.lead == 0 and x.rows == -(-n // qb) * qb
+                assert x.keys % kb == 0 or (mid_block and x.key0 % kb == 0
+                                            and x.keys % mid_block == 0 and x.keys < kb)
+    # a 2040-token chunk 8 chunks into a prompt (c = 16320): 4032 dummy rows without the
+    # middle part, 960 with it
+    assert split_plan(16320, 2040, qb, kb)[-1].lead == 4032
+    assert split_plan(16320, 2040, qb, kb, 1024)[-1].lead == 960
 
 
 def test_warm_plans_cover_every_shape_a_chunk_takes():
@@ -95,15 +121,17 @@ def test_warm_plans_cover_every_shape_a_chunk_takes():
             return dense_attention_ref(q, k, v, causal, scale)
         return dense
 
-    warmed, used = set(), set()
-    hq, h, d, chunk, context, qb, kb = 4, 2, 8, 10, 40, 4, 8
-    assert warm_plans(hq, h, d, torch.float32, torch.device("cpu"), chunk, context, qb, kb,
-                      recorder(warmed)) == len(warmed)
-    for n in range(1, chunk + 1):
-        for c in range(0, context - n + 1, 3):
-            q, k, v, cq, ck, _, _ = _case([(c, n)], hq, h, d)
-            split_attention(q, k, v, _spans(cq, ck), 0.1, recorder(used), qb, kb)
-    assert used <= warmed, sorted(used - warmed)[:3]
+    for mid in (0, 3, 5):
+        warmed, used = set(), set()
+        hq, h, d, chunk, context, qb, kb = 4, 2, 8, 10, 40, 4, 8
+        assert warm_plans(hq, h, d, torch.float32, torch.device("cpu"), chunk, context, qb, kb,
+                          recorder(warmed), mid_block=mid) == len(warmed)
+        for n in range(1, chunk + 1):
+            for c in range(0, context - n + 1, 3):
+                q, k, v, cq, ck, _, _ = _case([(c, n)], hq, h, d)
+                split_attention(q, k, v, _spans(cq, ck), 0.1, recorder(used), qb, kb,
+                                mid_block=mid)
+        assert used <= warmed, (mid, sorted(used - warmed)[:3])
 
 
 def test_merge_by_lse_equals_attention_over_the_union():
@@ -118,6 +146,10 @@ def test_merge_by_lse_equals_attention_over_the_union():
     # a part whose keys are all far below the other's contributes nothing
     far = merge_by_lse(o1, l1 - 200.0, o2, l2)
     torch.testing.assert_close(far, o2)
+    # three parts
+    o3, l3 = dense_attention_ref(q, k[:, :, 7:10], v[:, :, 7:10], False, 0.3)
+    o4, l4 = dense_attention_ref(q, k[:, :, 10:], v[:, :, 10:], False, 0.3)
+    torch.testing.assert_close(merge_by_lse(o1, l1, o3, l3, o4, l4), whole, atol=1e-6, rtol=1e-5)
 
 
 def test_choose_kernel_on_cpu():

@@ -48,6 +48,24 @@ def test_merge_matches_torch_form(device, dtype, bshd):
     assert float((got - ref).norm() / ref.norm()) < TOL[dtype]
 
 
+@pytest.mark.parametrize("device", [CPU, GPU])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_three_part_merge_matches_torch_form(device, dtype):
+    """The split's middle part (whole mid blocks of the prefix) makes three parts."""
+    gen = torch.Generator().manual_seed(6)
+    hq, d, s, n = (32, 128, 2100, 2048) if device == "cuda" else (4, 16, 45, 37)
+    (o1, l1), (o2, l2) = _parts(hq, s, d, dtype, device, gen, True)
+    (o3, l3), _ = _parts(hq, s, d, dtype, device, gen, False)
+    got = torch.full((n, hq, d), float("nan"), dtype=dtype, device=device)
+    want = torch.empty_like(got)
+    merge_lse_into(got, o1, l1, o2, l2, o3, l3)
+    merge_into(want, o1, l1, o2, l2, o3, l3)
+    two = merge_into(torch.empty_like(got), o1, l1, o2, l2)
+    assert torch.isfinite(got).all()
+    assert float((got.double() - want.double()).norm() / want.double().norm()) < TOL[dtype]
+    assert not torch.allclose(got.float(), two.float(), atol=1e-2)   # the third part counts
+
+
 def test_merge_with_an_empty_part_is_the_other_part():
     """lse = -inf (a part with no visible keys) gives weight 0 to that part."""
     gen = torch.Generator().manual_seed(4)
@@ -73,9 +91,11 @@ def test_split_attention_with_the_fused_merge_matches_reference():
         qs, ks = qs + n, ks + c + n
     cu_q = torch.tensor([0] + [s[0] + s[1] for s in spans], dtype=torch.int32)
     cu_k = torch.tensor([0] + [s[2] + s[3] for s in spans], dtype=torch.int32)
-    got = split_attention(q, k, v, spans, 0.25, dense_attention_ref, 4, 8, merge=merge_lse_into)
     want = ragged_causal_attention_ref(q, k, v, cu_q, cu_k, 0.25)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for mid in (0, 2, 3):                   # mid blocks: two and three parts to merge
+        got = split_attention(q, k, v, spans, 0.25, dense_attention_ref, 4, 8,
+                              merge=merge_lse_into, mid_block=mid)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("case,message", [
@@ -84,6 +104,8 @@ def test_split_attention_with_the_fused_merge_matches_reference():
     (dict(o2=torch.empty(1, 2, 3, 16)), "o2 must be"),
     (dict(lse1=torch.empty(1, 2, 8, dtype=torch.float16)), "lse1 must be"),
     (dict(out=torch.empty(4, 2, 32)[..., ::2]), "unit inner stride"),
+    (dict(o3=torch.empty(1, 2, 8, 16)), "come together"),
+    (dict(o3=torch.empty(1, 2, 3, 16), lse3=torch.empty(1, 2, 8)), "o3 must be"),
 ])
 def test_rejects_bad_inputs(case, message):
     args = dict(out=torch.empty(4, 2, 16), o1=torch.empty(1, 2, 8, 16),
