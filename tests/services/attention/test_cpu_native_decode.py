@@ -18,7 +18,8 @@ from nibble.services.attention import FastTorchAttentionBackend
 from nibble.services.models.base import QKVInput
 from nibble.services.models.rope import apply_rope
 
-from .conftest import make_engine_with, mixed_arrivals, run_scenario, tiny_arch, tiny_model
+from .conftest import (compare_greedy_runs, make_engine_with, mixed_arrivals, run_scenario,
+                       tiny_arch, tiny_model)
 from .test_torch_fast_backend import D, H, HQ, LAYERS, only_decode, pools, qkv
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler")
@@ -132,13 +133,17 @@ def test_engine_tokens_match_torch_decode(monkeypatch):
 
 def test_bf16_model_decodes_through_the_c_kernel(monkeypatch):
     """A bf16 model's decode steps take the C kernel too (bf16 rows in and out, fp32 math
-    inside): greedy tokens as with the C kernel off, logits within bf16 rounding (the torch
-    decode attends in bf16, the C kernel in fp32)."""
+    inside): logits within bf16 rounding of the C kernel off (the torch decode attends in
+    bf16, the C kernel in fp32), so greedy tokens agree except at a near tie. Measured: 0.12
+    apart at most; on a CPU without AVX512 request b's fifth step is a 0.012 tie that the two
+    take differently, with AVX512 none."""
     model = tiny_model(tiny_arch("llama", head_dim=32, num_heads=6), torch.bfloat16)
     (ref, ref_tok, _), (got, got_tok, paths), calls = _runs_with_and_without_c(model,
                                                                                monkeypatch)
     assert set(calls) == {1}
-    assert "decode" in paths and got_tok == ref_tok
+    assert "decode" in paths
     assert all(g.dtype == r.dtype for g, r in zip(got, ref))
-    worst = max(float((g.float() - r.float()).abs().max()) for g, r in zip(got, ref))
-    assert worst <= 0.2, worst          # measured 0.093: bf16 rounding of the torch decode
+    compared = compare_greedy_runs(ref, got, 0.2)
+    assert compared >= 5, compared      # decode steps ran before any tie (the C kernel's)
+    if compared == len(ref):
+        assert got_tok == ref_tok

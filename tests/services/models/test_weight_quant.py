@@ -160,6 +160,16 @@ def test_the_config_flag_reaches_the_loader():
     assert resolve_weights(cfg, CPU) == ("none", torch.float32)
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_bf16_on_a_cpu_without_hardware_bf16_is_warned_about(native, monkeypatch, caplog):
+    monkeypatch.setattr(weight_quant, "cpu_has_native_bf16", lambda: native)
+    cfg = NibbleConfig(model=ModelConfig(quantization="none", dtype="bfloat16"),
+                       device=DeviceConfig(device="cpu"))
+    with caplog.at_level("WARNING", logger="nibble.services.engine.builder"):
+        assert resolve_weights(cfg, CPU) == ("none", torch.bfloat16)
+    assert ("50x slower" in caplog.text) is not native
+
+
 def test_gemma_keeps_dense_weights():
     from nibble.services.models.gemma3 import Gemma3CausalLM
 
