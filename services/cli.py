@@ -85,6 +85,7 @@ async def run_serve(cfg: NibbleConfig) -> int:
     """Build the engine, serve until a signal, shut everything down; returns the exit code."""
     from .engine.async_engine import build_engine   # heavy (torch, model code): import late
     from .gateway import create_app
+    from .engine.pauses import thaw_startup_objects
     from .gateway.lifecycle import ServeLifecycle
 
     if cfg.disagg.disaggregate:
@@ -117,6 +118,7 @@ async def run_serve(cfg: NibbleConfig) -> int:
             await grpc_server.stop(GRACEFUL_SHUTDOWN_S)
         log.info("shutting down the engine")
         await engine.shutdown()
+        thaw_startup_objects()
         log.info("bye")
 
 

@@ -8,7 +8,8 @@ step trace (``--step-trace-file``) can put them beside each step's interval.
 
 :func:`freeze_startup_objects` moves what the server built at start (model, tokenizer,
 registries) out of the collector's reach, as vLLM and SGLang do after start-up: full
-collections then walk only what requests create.
+collections then walk only what requests create. :func:`thaw_startup_objects` gives them
+back at shutdown.
 """
 
 from __future__ import annotations
@@ -93,3 +94,12 @@ def freeze_startup_objects() -> int:
     n = gc.get_freeze_count()
     log.info("garbage collector: %d start-up objects frozen", n)
     return n
+
+
+def thaw_startup_objects() -> None:
+    """Give the frozen objects back to the collector (at shutdown, after the engine stopped).
+
+    The interpreter's finalization never frees the permanent generation, so objects of C
+    extensions frozen there outlive it, and nanobind (Triton's bindings) prints a page of
+    "leaked instance" warnings on every exit of the server."""
+    gc.unfreeze()
