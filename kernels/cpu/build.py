@@ -11,6 +11,9 @@ and callers keep their torch path.
 
 ``-ffp-contract=off`` and no ``-ffast-math``: every fp32 operation rounds as written,
 which is what makes the quantizer bit-identical to the torch reference.
+
+``$NIBBLE_CPU_MARCH`` (default ``native``) is the ``-march`` of the build: ``x86-64-v3``
+builds the AVX2 paths on an AVX512 machine, to test or time them as an AVX2 CPU runs them.
 """
 
 from __future__ import annotations
@@ -29,8 +32,17 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 CSRC_DIR = Path(__file__).resolve().with_name("csrc")
-CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-std=c11")
+CFLAGS = ("-O3", "-ffp-contract=off", "-fPIC", "-shared", "-std=c11")
 DISABLE_ENV = "NIBBLE_CPU_KERNELS"          # "0": never build or load them
+MARCH_ENV = "NIBBLE_CPU_MARCH"              # -march of the build (default native)
+
+
+def cflags() -> tuple[str, ...]:
+    """The compiler flags: :data:`CFLAGS` and ``-march`` from ``$NIBBLE_CPU_MARCH``."""
+    march = os.environ.get(MARCH_ENV, "native")
+    if not march or not all(c.isalnum() or c in "-_." for c in march):
+        raise ValueError(f"${MARCH_ENV}={march!r} is not an -march value")
+    return (*CFLAGS, f"-march={march}")
 
 
 def _cpu_model() -> str:
@@ -48,7 +60,7 @@ def _tag(cc: str, source: Path) -> str:
     for header in sorted(source.parent.glob("*.h")):        # what the sources may include
         h.update(b"\0" + header.name.encode() + b"\0" + header.read_bytes())
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30)
-    for part in (" ".join(CFLAGS), version.stdout, _cpu_model(), platform.machine()):
+    for part in (" ".join(cflags()), version.stdout, _cpu_model(), platform.machine()):
         h.update(b"\0" + part.encode())
     return h.hexdigest()[:12]
 
@@ -63,7 +75,7 @@ def _compile(cc: str, source: Path, target: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        subprocess.run([cc, *CFLAGS, "-o", tmp, str(source), "-lm"], check=True,
+        subprocess.run([cc, *cflags(), "-o", tmp, str(source), "-lm"], check=True,
                        capture_output=True, text=True, timeout=120)
         os.replace(tmp, target)          # atomic: a concurrent builder loads a whole file
     finally:

@@ -126,8 +126,8 @@ class ModelConfig:
                              help="gguf: keep a GGUF checkpoint's Q4_0/Q4_1 weights (and a Q8_0 "
                                   "LM head) packed and multiply CPU decode steps of up to 8 "
                                   "sequences by them (bf16 products; prompts keep the dense "
-                                  "--dtype GEMMs); auto: gguf on one CPU rank with hardware "
-                                  "bf16; none: dequantized weights only")
+                                  "--dtype GEMMs); auto: gguf on one x86 CPU rank with AVX2 "
+                                  "or hardware bf16; none: dequantized weights only")
 
 
 @dataclass(frozen=True)

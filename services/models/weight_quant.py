@@ -174,15 +174,29 @@ QUANTIZATIONS = ("auto", "none", "gguf")
 _BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
+def _cpu_flags() -> list[str]:
+    """The CPU's feature flags from ``/proc/cpuinfo`` (empty where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            return next((line.split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return []
+
+
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX), where the bf16
     GEMMs that prefill runs beside the packed codes are fast."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            flags = next((line.split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        return False
+    flags = _cpu_flags()
     return any(flag in flags for flag in _BF16_FLAGS)
+
+
+def cpu_has_vector_int4() -> bool:
+    """Whether torch's CPU int4 kernel runs vectorized here: x86 with AVX2 (every CPU with
+    hardware bf16 has it). Without hardware bf16 it converts the bf16 rows to float32 in
+    registers, still about 3x the dense float32 step of the default model
+    (docs/benchmarks.md); elsewhere (other architectures) it is not measured, so ``auto``
+    keeps the dense weights."""
+    return "avx2" in _cpu_flags() or cpu_has_native_bf16()
 
 
 def has_4bit_blocks(path: str) -> bool:
@@ -194,11 +208,11 @@ def resolve_quantization(requested: str, dtype: str, device: torch.device, tp_si
                          gguf_path: str | None) -> tuple[str, str]:
     """``(quantization, dtype name)`` from ``--quantization`` and ``--dtype``.
 
-    ``auto`` packs a GGUF checkpoint's 4-bit weights where that pays: one CPU rank, a CPU with
-    hardware bf16 (the kernel's arithmetic), a float32 or bfloat16 model. ``gguf`` asks for it
-    and raises ``ValueError`` (why) where it cannot run. The model dtype is left as it is:
-    a float32 model keeps float32 activations, KV and prompt GEMMs, and rounds only a decode
-    step's projection inputs to bf16 for the kernel.
+    ``auto`` packs a GGUF checkpoint's 4-bit weights where that pays: one CPU rank, a CPU on
+    which the int4 kernel is vectorized (AVX2 or hardware bf16), a float32 or bfloat16 model.
+    ``gguf`` asks for it and raises ``ValueError`` (why) where it cannot run. The model dtype
+    is left as it is: a float32 model keeps float32 activations, KV and prompt GEMMs, and
+    rounds only a decode step's projection inputs to bf16 for the kernel.
     ``gguf_path`` is the checkpoint's GGUF file, None for other checkpoints.
     """
     if requested not in QUANTIZATIONS:
@@ -213,7 +227,7 @@ def resolve_quantization(requested: str, dtype: str, device: torch.device, tp_si
         if reasons:
             raise ValueError("--quantization gguf cannot run here: " + "; ".join(reasons))
         return "gguf", dtype
-    if requested == "auto" and not reasons and cpu_has_native_bf16() and has_4bit_blocks(
+    if requested == "auto" and not reasons and cpu_has_vector_int4() and has_4bit_blocks(
             gguf_path):
         return "gguf", dtype
     return "none", dtype

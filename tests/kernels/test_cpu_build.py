@@ -1,0 +1,54 @@
+"""The C kernels' build: ``$NIBBLE_CPU_MARCH`` and the AVX2 paths on an AVX512 machine."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nibble.kernels.cpu import available, build
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_march_comes_from_the_environment(monkeypatch):
+    monkeypatch.delenv(build.MARCH_ENV, raising=False)
+    assert build.cflags()[-1] == "-march=native"
+    monkeypatch.setenv(build.MARCH_ENV, "x86-64-v3")
+    assert build.cflags()[-1] == "-march=x86-64-v3"
+    for bad in ("", "native -o /tmp/x", "v3;rm"):
+        monkeypatch.setenv(build.MARCH_ENV, bad)
+        with pytest.raises(ValueError, match="not an -march value"):
+            build.cflags()
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return set(next((ln.split() for ln in text.splitlines() if ln.startswith("flags")), []))
+
+
+@pytest.mark.skipif(not available(), reason="no C compiler")
+@pytest.mark.skipif("avx512f" not in _cpu_flags(), reason="the native build is the AVX2 one here")
+def test_the_avx2_build_passes_the_kernel_tests(tmp_path):
+    """On an AVX512 machine the native build never runs the kernels' AVX2 paths (the
+    ``#ifdef __AVX512F__`` alternatives), which AVX2 CPUs run: build them for x86-64-v3 in a
+    scratch cache and run the C kernels' tests against their torch references."""
+    env = {**os.environ, build.MARCH_ENV: "x86-64-v3", "NIBBLE_CPU_KERNEL_DIR": str(tmp_path)}
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+         "tests/kernels/test_cpu_decode.py", "tests/kernels/test_cpu_layer_ops.py"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout and "skipped" not in run.stdout.splitlines()[-1]
+    libs = sorted(p.name for p in tmp_path.glob("*.so"))
+    assert [n.split("_")[0] for n in libs] == ["layer", "nvfp4"], libs
+    for lib in tmp_path.glob("*.so"):             # no 512-bit register in an AVX2 build
+        dump = subprocess.run(["objdump", "-d", str(lib)], capture_output=True, text=True)
+        if dump.returncode == 0:
+            assert "zmm" not in dump.stdout, lib.name
