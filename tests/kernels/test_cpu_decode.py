@@ -75,6 +75,18 @@ def test_matches_reference(recipe, rope, b, ctx):
     assert torch.equal(pool, ref_pool)                       # nothing else written
 
 
+@pytest.mark.parametrize("q_gain", [1.0, 300.0])
+def test_long_rows_and_far_apart_scores(q_gain):
+    """A row of 66 positions (whole vectors and a tail in the softmax), and queries scaled
+    until most scores sit more than 87 below their row's max, where the vector exp flushes
+    to zero: the output still matches the reference."""
+    lay, pool, kw = _case(1, [65], None, True, seed=3)
+    kw["q"] = kw["q"] * q_gain
+    want = decode_nvfp4_ref(lay, pool.clone(), 1, **kw)
+    got = decode_nvfp4_cpu(lay, pool, 1, **kw)
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-4), (got - want).abs().max()
+
+
 def test_quantizer_is_bit_identical_on_edge_values():
     """Every E2M1 tie, zeros, -0, subnormal and saturating scales: the C store writes
     ``quantize_nvfp4``'s bytes."""

@@ -27,6 +27,7 @@
 #include <string.h>
 #include "bf16.h"
 #include "simd_exp.h"
+#include "nvfp4_avx2.h"
 
 #define BLOCK 16
 
@@ -163,6 +164,8 @@ static inline void k_scores(const float *q, int g, int d, const uint8_t *codes,
         for (int i = 0; i < g; i++) sc[i * stride] = _mm512_reduce_add_ps(acc[i]) * sm_scale;
         return;
     }
+#elif defined(NB_AVX2)
+    if (g <= 8) { k_scores8(q, g, d, codes, scales, E4M3, gs, sm_scale, sc, stride); return; }
 #endif
     dequant_row(codes, scales, d, gs, row);
     for (int i = 0; i < g; i++) sc[i * stride] = dot(q + i * d, row, d) * sm_scale;
@@ -216,6 +219,32 @@ static inline void v_sum_blocks_g(const float *w, int64_t n, int g, int d, int s
         for (int i = 0; i < g; i++) _mm512_storeu_ps(out + i * d + b0, acc[i]);
     }
 }
+#elif defined(NB_AVX2)
+/* The AVX2 form: 8 values of D at a time, G <= 8 accumulators. */
+static inline void v_sum_blocks_g(const float *w, int64_t n, int g, int d, int s,
+                                  const uint8_t *pool, int64_t page_stride, const int64_t *sec,
+                                  const int64_t *pages, int h, int64_t lo, int64_t hi, float gs,
+                                  float *out) {
+    int cb = d / 2, sb = d / BLOCK;
+    for (int e0 = 0; e0 < d; e0 += 8) {
+        __m256 acc[8];
+        for (int i = 0; i < g; i++) acc[i] = _mm256_setzero_ps();
+        for (int64_t p = lo, j = 0, r, end; p <= hi;) {
+            const uint8_t *page = page_run(pool, page_stride, pages, s, h, p, hi, &r, &end);
+            const uint8_t *vc = page + sec[1] + r * cb + e0 / 2;
+            const uint8_t *vs = page + sec[3] + r * sb + e0 / BLOCK;
+            for (; p < end; p++, j++, vc += cb, vs += sb) {
+                __m256 v = dequant8(vc, E4M3[*vs], gs);
+                for (int i = 0; i < g; i++)
+                    acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(w[i * n + j]), v, acc[i]);
+            }
+        }
+        for (int i = 0; i < g; i++) _mm256_storeu_ps(out + i * d + e0, acc[i]);
+    }
+}
+#endif
+
+#if defined(__AVX512F__) || defined(NB_AVX2)
 
 /* The group sizes of common models as constants, so the accumulators stay in registers. */
 static void v_sum_blocks(const float *w, int64_t n, int g, int d, int s, const uint8_t *pool,
@@ -259,6 +288,8 @@ static void softmax_row(float *sc, int64_t n) {
         vs = _mm512_add_ps(vs, _mm512_maskz_mov_ps(k, e));
     }
     sum = _mm512_reduce_add_ps(vs);
+#elif defined(NB_AVX2)
+    sum = exp_shifted8(sc, n, &mx);
 #else
     for (; j < n; j++) mx = fmaxf(mx, sc[j]);
     for (j = 0; j < n; j++) { sc[j] = expf(sc[j] - mx); sum += sc[j]; }
@@ -282,7 +313,7 @@ static void attend(const float *q, int g, int d, int s, const uint8_t *pool, int
                      row, scores + j, n);
     }
     for (int i = 0; i < g; i++) softmax_row(scores + i * n, n);
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(NB_AVX2)
     if (g <= 8) {
         v_sum_blocks(scores, n, g, d, s, pool, page_stride, sec, pages, h, lo, hi, gs_v, out);
         return;

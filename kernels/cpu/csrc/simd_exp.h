@@ -1,4 +1,4 @@
-/* A 16-wide exp for the CPU kernels of this directory (included, not built alone).
+/* A 16-wide (AVX512) or 8-wide (AVX2) exp for the CPU kernels of this directory (included, not built alone).
  * build.py hashes the headers here with each source, so a change rebuilds its users. */
 #ifndef NIBBLE_SIMD_EXP_H
 #define NIBBLE_SIMD_EXP_H
@@ -19,6 +19,27 @@ static inline __m512 exp_neg(__m512 x) {
     __m512 p = _mm512_set1_ps(c[0]);
     for (int i = 1; i < 8; i++) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c[i]));
     return _mm512_scalef_ps(p, n);
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+/* The 8-wide exp_neg for AVX2 CPUs: the same reduction and polynomial; 2^n built in the
+ * exponent bits, so x below -87 (2^n under the smallest normal) gives 0, not a subnormal
+ * (its weight beside the max's 1 is below 2^-125 either way). */
+static inline __m256 exp_neg8(__m256 x) {
+    const __m256 tiny = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ);
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-06f), r);
+    static const float c[8] = {1.0f / 5040, 1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f,
+                               1.0f, 1.0f};
+    __m256 p = _mm256_set1_ps(c[0]);
+    for (int i = 1; i < 8; i++) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c[i]));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)),
+                                  23);
+    return _mm256_andnot_ps(tiny, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
 }
 #endif
 #endif
