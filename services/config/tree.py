@@ -115,7 +115,7 @@ def _key_file(name: str, help: str) -> tuple[str, dict]:
 class ModelConfig:
     model_path: str | None = flag(None, help="HF safetensors dir or GGUF file (default: "
                                              "embedded SmolLM2-135M-Instruct)")
-    served_model_name: str | None = flag(None)   # name in /v1/models; default from the path
+    served_model_name: str | None = flag(None)   # name in /v1/models; default: builder.served_name
     dtype: str = flag("auto", choices=("auto", "float32", "bfloat16", "float16"))
     context_length: int | None = flag(None)      # cap on prompt + output tokens; None = model's
     load_format: str = flag("auto", choices=("auto", "dummy"),

@@ -78,6 +78,19 @@ def resolve_device(cfg: DeviceConfig) -> torch.device:
     return torch.device(cfg.device)
 
 
+def served_name(served: str | None, model_path: str | None, checkpoint_name: str) -> str:
+    """The model name of ``/v1/models`` and of requests: ``--served-model-name``, else the
+    packaged model's name as typed (``--model-path gemma3-270m``, as SGLang and vLLM serve
+    under the ``--model`` value), else the checkpoint's own name. A filesystem path is never
+    the name: requests would then probe the server's directories."""
+    from ..models.packaged import NAMED_MODELS
+    if served:
+        return served
+    if model_path in NAMED_MODELS and not os.path.exists(os.path.expanduser(model_path)):
+        return model_path
+    return checkpoint_name
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -326,6 +339,6 @@ def build_parts(cfg: NibbleConfig, start_group=None) -> EngineParts:
     log.info("bytes/token by format: %s; for the same bytes nvfp4 holds %.2fx the tokens of fp8",
              {k: round(v, 1) for k, v in per_format.items()},
              per_format["fp8_e4m3"] / per_format["nvfp4"])
-    name = cfg.model.served_model_name or loaded.name
+    name = served_name(cfg.model.served_model_name, cfg.model.model_path, loaded.name)
     return EngineParts(core, loaded.tokenizer, name, loaded.fingerprint, backend_name, per_format,
                        pids)
