@@ -84,8 +84,8 @@ async def _start_grpc(engine, cfg: NibbleConfig, app):
 async def run_serve(cfg: NibbleConfig) -> int:
     """Build the engine, serve until a signal, shut everything down; returns the exit code."""
     from .engine.async_engine import build_engine   # heavy (torch, model code): import late
-    from .gateway import create_app
     from .engine.pauses import thaw_startup_objects
+    from .gateway import create_app
     from .gateway.lifecycle import ServeLifecycle
 
     if cfg.disagg.disaggregate:
