@@ -5,6 +5,7 @@
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
 #define NB_AVX2 1
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -44,7 +45,7 @@ static inline void k_scores8(const float *q, int g, int d, const uint8_t *codes,
 }
 
 /* sc [n] -> exp(sc - max) in place; returns their sum. */
-static inline float exp_shifted8(float *sc, int64_t n, float *max_out) {
+static inline float exp_shifted8(float *sc, int64_t n) {
     __m256 vmx = _mm256_set1_ps(-INFINITY);
     int64_t j = 0;
     for (; j + 8 <= n; j += 8) vmx = _mm256_max_ps(vmx, _mm256_loadu_ps(sc + j));
@@ -61,7 +62,6 @@ static inline float exp_shifted8(float *sc, int64_t n, float *max_out) {
     }
     float sum = hsum8(vs);
     for (; j < n; j++) { sc[j] = expf(sc[j] - mx); sum += sc[j]; }
-    *max_out = mx;
     return sum;
 }
 #endif

@@ -267,9 +267,10 @@ static void v_sum_blocks(const float *w, int64_t n, int g, int d, int s, const u
 
 /* One query row's scores sc [n] -> softmax weights, in place. */
 static void softmax_row(float *sc, int64_t n) {
-    float mx = -INFINITY, sum = 0.0f;
+    float sum = 0.0f;
     int64_t j = 0;
 #ifdef __AVX512F__
+    float mx;
     __m512 vmx = _mm512_set1_ps(-INFINITY);
     for (; j + 16 <= n; j += 16) vmx = _mm512_max_ps(vmx, _mm512_loadu_ps(sc + j));
     mx = _mm512_reduce_max_ps(vmx);
@@ -289,8 +290,9 @@ static void softmax_row(float *sc, int64_t n) {
     }
     sum = _mm512_reduce_add_ps(vs);
 #elif defined(NB_AVX2)
-    sum = exp_shifted8(sc, n, &mx);
+    sum = exp_shifted8(sc, n);
 #else
+    float mx = -INFINITY;
     for (; j < n; j++) mx = fmaxf(mx, sc[j]);
     for (j = 0; j < n; j++) { sc[j] = expf(sc[j] - mx); sum += sc[j]; }
 #endif
