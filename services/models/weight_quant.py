@@ -174,7 +174,7 @@ QUANTIZATIONS = ("auto", "none", "gguf")
 _BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
-def _cpu_flags() -> list[str]:
+def cpu_flags() -> list[str]:
     """The CPU's feature flags from ``/proc/cpuinfo`` (empty where it cannot be read)."""
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
@@ -186,7 +186,10 @@ def _cpu_flags() -> list[str]:
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX), where the bf16
     GEMMs that prefill runs beside the packed codes are fast."""
-    flags = _cpu_flags()
+    return _has_native_bf16(cpu_flags())
+
+
+def _has_native_bf16(flags: list[str]) -> bool:
     return any(flag in flags for flag in _BF16_FLAGS)
 
 
@@ -196,7 +199,8 @@ def cpu_has_vector_int4() -> bool:
     registers, still about 3x the dense float32 step of the default model
     (docs/benchmarks.md); elsewhere (other architectures) it is not measured, so ``auto``
     keeps the dense weights."""
-    return "avx2" in _cpu_flags() or cpu_has_native_bf16()
+    flags = cpu_flags()
+    return "avx2" in flags or _has_native_bf16(flags)
 
 
 def has_4bit_blocks(path: str) -> bool:

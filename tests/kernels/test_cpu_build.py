@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from nibble.kernels.cpu import available, build
+from nibble.services.models.weight_quant import cpu_flags
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -25,16 +26,8 @@ def test_march_comes_from_the_environment(monkeypatch):
             build.cflags()
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    return set(next((ln.split() for ln in text.splitlines() if ln.startswith("flags")), []))
-
-
 @pytest.mark.skipif(not available(), reason="no C compiler")
-@pytest.mark.skipif("avx512f" not in _cpu_flags(), reason="the native build is the AVX2 one here")
+@pytest.mark.skipif("avx512f" not in cpu_flags(), reason="the native build is the AVX2 one here")
 def test_the_avx2_build_passes_the_kernel_tests(tmp_path):
     """On an AVX512 machine the native build never runs the kernels' AVX2 paths (the
     ``#ifdef __AVX512F__`` alternatives), which AVX2 CPUs run: build them for x86-64-v3 in a

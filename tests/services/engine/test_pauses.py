@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from nibble.services.engine.pauses import PauseMeter, freeze_startup_objects
+from nibble.services.engine.pauses import PauseMeter, freeze_startup_objects, thaw_startup_objects
 from nibble.services.engine.step_stats import StepShape, StepTimer
 
 
@@ -84,4 +84,5 @@ def test_freeze_moves_startup_objects_out_of_reach():
         assert freeze_startup_objects() >= len(keep)
         assert gc.get_freeze_count() >= len(keep)
     finally:
-        gc.unfreeze()
+        thaw_startup_objects()
+    assert gc.get_freeze_count() == 0

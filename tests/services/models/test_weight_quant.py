@@ -141,9 +141,9 @@ def test_resolution(monkeypatch):
     assert resolve("none", "auto", CPU, 1, GGUF_PATH) == ("none", "auto")
     assert resolve("gguf", "bfloat16", CPU, 1, GGUF_PATH) == ("gguf", "bfloat16")
     monkeypatch.setattr(weight_quant, "cpu_has_native_bf16", lambda: False)
-    monkeypatch.setattr(weight_quant, "_cpu_flags", lambda: ["fma", "avx2"])
+    monkeypatch.setattr(weight_quant, "cpu_flags", lambda: ["fma", "avx2"])
     assert resolve("auto", "auto", CPU, 1, GGUF_PATH) == ("gguf", "auto")    # AVX2 EPYC
-    monkeypatch.setattr(weight_quant, "_cpu_flags", lambda: ["asimd"])       # not measured
+    monkeypatch.setattr(weight_quant, "cpu_flags", lambda: ["asimd"])       # not measured
     assert resolve("auto", "auto", CPU, 1, GGUF_PATH) == ("none", "auto")
     assert resolve("gguf", "auto", CPU, 1, GGUF_PATH) == ("gguf", "auto")   # asked for
     for args, why in [(("float16", CPU, 1, GGUF_PATH), "not float16"),
