@@ -35,7 +35,11 @@ MIN_TILES_PER_WARP = 4
 # cap (CTAs per SM): 4 -> 128 registers. 10404 and 4 are the dequant-0 references of 10424
 # and 24 (same loops, one LOP3 more per 8 codes). 10425 and 10426: the register-cap
 # route (5 / 6 CTAs per SM: 96 / 80 registers, 148 / 312 bytes spilled, 20 / 24 warps per SM).
-VARIANTS = (10424, 24, 10404, 4, 10425, 10426)
+# Under measurement (bench/decode_forms.py): dequant 3 (10434) = dequant 2 with fewer ALU-pipe
+# instructions (the right shift as an IMAD.HI on the FMA pipe, the K scales' halves chosen by
+# the HMUL2 operand), dequant 4 (10444) the latter alone; 10624 a 6-stage ring (two pairs in
+# flight), 10623 / 10823 3 CTAs per SM (168 registers) with 6 / 8 stages.
+VARIANTS = (10424, 24, 10404, 4, 10425, 10426, 10434, 10444, 10624, 10623, 10823)
 # FP8 E4M3 pages (100000 + the same fields; cp.async rings only): 110602 two tiles per step,
 # 6 stages (two pairs in flight), 2 CTAs per SM; 110403 / 110404 4 stages, 168 / 128-register
 # caps; 100304 / 100204 one tile per step, 3 / 2 stages.
@@ -43,11 +47,6 @@ FP8_VARIANTS = (110602, 110403, 110404, 100304, 100204)
 # Diagnostics for the benchmark only (wrong results): 1004 loads without compute, 2004
 # computes on register data without loads.
 DIAG_VARIANTS = (1004, 2004)
-# The L2 warm-up twins (l2_prefetch=) of the two default variants: variant + WARM_OFFSET *
-# (1 where the CTAs prefetch as they finish, 2 where they prefetch before their first page).
-WARM_OFFSET = 1_000_000
-WARM_AT = {"end": 1, "start": 2}
-WARM_VARIANTS = tuple(WARM_OFFSET * w + v for w in WARM_AT.values() for v in (10424, 110602))
 DEFAULT_VARIANT = 10424  # fastest on an H200 in every benchmark case (docs/benchmarks.md)
 DEFAULT_FP8_VARIANT = 110602  # equal to 110403 in sum over the benchmark cases, 6% faster
                                # at 64 x 4096, 2% slower at 32 x 32768 (H200)
@@ -194,9 +193,7 @@ def decode_attention_cuda(layout: PageLayout, pages: LayerPages, q: torch.Tensor
                           out: torch.Tensor | None = None, num_splits: int | None = None,
                           max_seq_len: int | None = None,
                           variant: int | None = None, combine: str = "auto",
-                          pdl: bool = False, l2_prefetch: torch.Tensor | None = None,
-                          l2_evict_last: bool = True, l2_prefetch_at: str = "end"
-                          ) -> torch.Tensor:
+                          pdl: bool = False) -> torch.Tensor:
     """Paged GQA decode over NVFP4 or FP8 pages: ``q[b]`` attends over ``seq_lens[b]`` tokens.
 
     Args:
@@ -227,15 +224,6 @@ def decode_attention_cuda(layout: PageLayout, pages: LayerPages, q: torch.Tensor
             wait for it before reading q and the last tile. Only correct when that kernel
             wrote nothing this one reads but ``q`` and the token at ``seq_lens[b] - 1``
             (a decode step's fused QKV kernel).
-        l2_prefetch: optional tensor on ``q``'s device, contiguous and 16-byte aligned (the
-            operand of the kernel that follows, e.g. the O projection's weight): each CTA
-            bulk-prefetches its share of the tensor's bytes into L2 (``l2_evict_last``: at
-            the evict_last priority) once its pages are read (``l2_prefetch_at="end"``) or
-            before its first page (``"start"``), so that kernel reads it from L2 rather than
-            HBM. It changes no result; a trailing part under 16 bytes is skipped. Runs the
-            variant's twin ``variant + WARM_OFFSET * WARM_AT[l2_prefetch_at]``
-            (:data:`WARM_VARIANTS`: the default variants have them), so launches without it
-            run the plain kernel.
     Returns:
         ``out``.
     Raises:
@@ -252,10 +240,9 @@ def decode_attention_cuda(layout: PageLayout, pages: LayerPages, q: torch.Tensor
         raise KernelInputError(f"block_tables has {block_tables.shape[0]} rows, q {q.shape[0]}")
     fp8 = layout.fmt.k.name == "fp8_e4m3"
     variant = default_variant(layout) if variant is None else variant
-    launched = _check_options(layout, variant, combine, num_splits, l2_prefetch, l2_prefetch_at)
+    _check_options(layout, variant, combine, num_splits)
     if torch.cuda.get_device_capability(device) != (9, 0):
         raise KernelInputError("the CUDA decode kernel is built for sm_90a (Hopper)")
-    pf, pf_bytes = _check_l2_prefetch(l2_prefetch, device) if l2_prefetch is not None else (q, 0)
     kgs = scale_tensor(k_scale, device, "k_scale")
     vgs = scale_tensor(v_scale, device, "v_scale")
     out = torch.empty_like(q) if out is None else out
@@ -284,15 +271,13 @@ def decode_attention_cuda(layout: PageLayout, pages: LayerPages, q: torch.Tensor
     _module().decode(q, block_tables, seq_lens, pages.k_data, pages.v_data, ks, vs, page_stride,
                      layout.page_size, tpp_log2, hq // h, kgs, vgs,
                      sm_scale * LOG2E * (1.0 if fp8 else 128.0), part_o, part_ml, out, counters,
-                     nsplit, launched, bool(pdl), pf, pf_bytes, bool(l2_evict_last))
+                     nsplit, variant, bool(pdl))
     return out
 
 
-def _check_options(layout: PageLayout, variant: int, combine: str, num_splits: int | None,
-                   l2_prefetch: torch.Tensor | None, l2_prefetch_at: str) -> int:
-    """The kernel variant to launch: ``variant``, or its L2 warm-up twin with ``l2_prefetch``.
-
-    Raises KernelInputError on an unknown variant, combine, split count or warm-up place."""
+def _check_options(layout: PageLayout, variant: int, combine: str,
+                   num_splits: int | None) -> None:
+    """Raises KernelInputError on an unknown variant or combine, or a split count < 1."""
     allowed = FP8_VARIANTS if layout.fmt.k.name == "fp8_e4m3" else VARIANTS + DIAG_VARIANTS
     if variant not in allowed:
         raise KernelInputError(f"variant must be one of {allowed} for {layout.kv_format}, got "
@@ -301,24 +286,3 @@ def _check_options(layout: PageLayout, variant: int, combine: str, num_splits: i
         raise KernelInputError(f"combine must be one of {COMBINES}, got {combine!r}")
     if num_splits is not None and num_splits < 1:
         raise KernelInputError(f"num_splits must be >= 1, got {num_splits}")
-    if l2_prefetch_at not in WARM_AT:
-        raise KernelInputError(f"l2_prefetch_at must be one of {tuple(WARM_AT)}, got "
-                               f"{l2_prefetch_at!r}")
-    if l2_prefetch is None:
-        return variant
-    twin = variant + WARM_OFFSET * WARM_AT[l2_prefetch_at]
-    if twin not in WARM_VARIANTS:
-        raise KernelInputError(f"l2_prefetch needs a variant with an L2 warm-up twin "
-                               f"({DEFAULT_VARIANT}, {DEFAULT_FP8_VARIANT}), got {variant}")
-    return twin
-
-
-def _check_l2_prefetch(t: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, int]:
-    """(tensor, bytes to prefetch) for the kernel (0 bytes: the kernel ignores the tensor)."""
-    if t.device != device:
-        raise KernelInputError(f"l2_prefetch must be on {device}, got {t.device}")
-    if not t.is_contiguous():
-        raise KernelInputError("l2_prefetch must be contiguous")
-    if t.data_ptr() % 16:
-        raise KernelInputError("l2_prefetch must be 16-byte aligned")
-    return t, (t.numel() * t.element_size()) // 16 * 16

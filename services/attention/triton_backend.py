@@ -88,9 +88,8 @@ class TritonAttentionBackend(AttentionBackend):
             back to Triton there, with a warning).
         device_cfg: the device slice; its ``decode_kernel`` and ``store_kernel``
             (auto|triton|cuda) pick the kernels (None: both auto), and
-            ``disable_fused_kernels`` turns :meth:`forward_fused` off, ``disable_pdl``
-            the decode kernel's programmatic dependent launch, and ``decode_l2_warm`` on
-            the decode kernel's L2 warm-up of ``QKVInput.next_weight``.
+            ``disable_fused_kernels`` turns :meth:`forward_fused` off, and ``disable_pdl``
+            the decode kernel's programmatic dependent launch.
 
     Attributes:
         decode_impl: "cuda-sm90" or "triton", the decode kernel (see :mod:`.decode_select`).
@@ -109,7 +108,6 @@ class TritonAttentionBackend(AttentionBackend):
             (device_cfg.decode_kernel, device_cfg.store_kernel)
         self.fused = device_cfg is None or not device_cfg.disable_fused_kernels
         self.pdl = device_cfg is None or not device_cfg.disable_pdl
-        self.l2_warm = "off" if device_cfg is None else device_cfg.decode_l2_warm
         self.ragged_kernel = "auto" if device_cfg is None else device_cfg.prefill_attention_kernel
         if self.ragged_kernel == "cudnn" and not cudnn_available(pool.device):
             raise ConfigError("--prefill-attention-kernel cudnn needs CUDA with cuDNN >= 9")
@@ -320,8 +318,7 @@ class TritonAttentionBackend(AttentionBackend):
         if kv_out:
             self._prefill_extend(pages, q, kv_out["k_out"], kv_out["v_out"], out, ks, vs)
         if self._dec:
-            self._decode(pages, q, out, ks, vs, pdl,
-                         inp.next_weight if self.l2_warm != "off" else None)
+            self._decode(pages, q, out, ks, vs, pdl)
         return self._recipe.finish(layer, out)
 
     def _prefill_extend(self, pages, q, k, v, out, ks, vs) -> None:
@@ -368,19 +365,15 @@ class TritonAttentionBackend(AttentionBackend):
             self._set_decode(choice)
             self._dec_splits = self._splits_fn(*self._dec_shape, self.device)
 
-    def _decode(self, pages, q, out, ks, vs, pdl: bool = False,
-                warm: torch.Tensor | None = None) -> None:
+    def _decode(self, pages, q, out, ks, vs, pdl: bool = False) -> None:
         """One fused paged-decode launch for every decode sequence of the step (``pdl``: as
-        the programmatic dependent of the QKV kernel just launched; ``warm``: a tensor the
-        kernel prefetches into L2 as it finishes; CUDA kernel only)."""
+        the programmatic dependent of the QKV kernel just launched; CUDA kernel only)."""
         if not self._group_checked:
             self._check_group(q.shape[1])
         if self._dec_direct:
             extra = {}
             if self.decode_impl == CUDA_SM90 and pdl:
                 extra["pdl"] = True
-            if self.decode_impl == CUDA_SM90 and warm is not None:
-                extra.update(l2_prefetch=warm, l2_prefetch_at=self.l2_warm)
             self._decode_fn(self.layout, pages, q, self._dec_bt, self._dec_lens, self.sm_scale,
                             ks, vs, out=out, num_splits=self._dec_splits, **extra)
             return

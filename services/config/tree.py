@@ -268,12 +268,6 @@ class DeviceConfig:
                     "usual way, instead of as its programmatic dependent (PDL, default on "
                     "sm_90: the decode kernel's CTAs start and fill their rings from the "
                     "cached pages while the QKV kernel still runs), for A/B runs")
-    decode_l2_warm: str = flag(
-        "off", choices=("off", "end", "start"),
-        help="CUDA, sm_90 decode kernel (experimental, off until measured): its CTAs "
-             "bulk-prefetch the layer's O-projection weight into L2 (at the evict_last "
-             "priority) once their pages are read (end) or before the first (start), so "
-             "that GEMM reads it from L2 instead of HBM")
     tp_size: int = flag(
         1, aliases=("--tensor-parallel-size",),
         help="tensor parallelism: split the model over this many ranks (one process each; "

@@ -29,9 +29,6 @@ class QKVInput:
     # the output's dtype, where it may differ from qkv's (a float32 model whose next projection
     # multiplies bf16 rows asks for bf16); a backend may ignore it and return qkv's dtype
     out_dtype: torch.dtype | None = None
-    # the weight of the projection right after the attention (o_proj's, [H, Hq * D]), which a
-    # backend may warm into L2 while it attends; None where unknown
-    next_weight: torch.Tensor | None = None
 
 
 @runtime_checkable

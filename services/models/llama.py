@@ -176,7 +176,7 @@ class DecoderLayer(nn.Module):
         a = self.arch
         o = fused_attention(attn, self.layer_id, QKVInput(
             qkv, a.num_heads, a.num_kv_heads, a.head_dim, cos, sin, self.q_norm, self.k_norm,
-            a.rms_norm_eps, out_dtype, self.o_weight))
+            a.rms_norm_eps, out_dtype))
         if o is not None:
             return o
         return self._attention(qkv if qkv.dtype == cos.dtype else qkv.to(cos.dtype), cos, sin,

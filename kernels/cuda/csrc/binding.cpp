@@ -21,7 +21,7 @@ void decode(torch::Tensor q, torch::Tensor bt, torch::Tensor seq_lens, torch::Te
             int64_t page_size, int64_t tpp_log2, int64_t group, torch::Tensor k_gs,
             torch::Tensor v_gs, double qk_scale, torch::Tensor part_o, torch::Tensor part_ml,
             torch::Tensor out, torch::Tensor counters, int64_t nsplit, int64_t variant,
-            bool pdl, torch::Tensor l2_pf, int64_t l2_pf_bytes, bool l2_pf_last) {
+            bool pdl) {
   TORCH_CHECK(q.is_cuda() && kd.is_cuda(), "decode: CUDA tensors expected");
   const c10::cuda::CUDAGuard guard(q.device());
   Params p;
@@ -39,9 +39,6 @@ void decode(torch::Tensor q, torch::Tensor bt, torch::Tensor seq_lens, torch::Te
   p.counters = counters.numel() > 0 ? counters.data_ptr<int>() : nullptr;
   p.out = out.data_ptr(); p.o_b = out.stride(0); p.o_h = out.stride(1);
   p.out_dtype = dtype_code(out);
-  // An empty tensor: no L2 warm-up (the wrapper checked alignment and size).
-  p.l2_pf = l2_pf_bytes > 0 ? static_cast<const uint8_t*>(l2_pf.data_ptr()) : nullptr;
-  p.l2_pf_bytes = l2_pf_bytes; p.l2_pf_last = l2_pf_last ? 1 : 0;
   const int batch = (int)q.size(0), hq = (int)q.size(1);
   void* stream = c10::cuda::getCurrentCUDAStream().stream();
   launch_decode(p, batch, (int)variant, stream, pdl);

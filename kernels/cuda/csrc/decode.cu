@@ -211,35 +211,9 @@ __device__ __noinline__ void combine_splits(const SplitOut a, int b, int h, int 
     sum_partials(a, b, h, lane, warp, 0, groups, kSplitGroup, true);
 }
 
-// Part `part` of `parts` of the L2 warm-up (Params::l2_pf), one per warp: bulk prefetches (TMA)
-// of at most kWarmChunk bytes each, the warp's lanes taking the chunks in turn, so the operand
-// of the kernel after this one (the O projection's weight) is read from L2, not HBM. Issued once the CTA's pages are read (WARM 1: the KV still
-// streaming through L2 from the CTAs yet to finish evicts little of it) or before the first
-// page (WARM 2: spread over the whole launch, kept only if evict_last outlives the KV stream).
-// Behind a call with scalar arguments so the main loop's register allocation does not see it
-// (as combine_splits).
-constexpr long long kWarmChunk = 16384;
-__device__ __noinline__ void l2_warm(const uint8_t* pf, long long bytes, int last,
-                                     long long part, long long parts, int lane) {
-  const long long per = ((bytes / 16 + parts - 1) / parts) * 16;
-  const long long end = min(part * per + per, bytes);
-  for (long long lo = part * per + lane * kWarmChunk; lo < end; lo += 32 * kWarmChunk) {
-    const uint8_t* src = pf + lo;
-    const uint32_t n = (uint32_t)min(kWarmChunk, end - lo);
-    if (last) {
-      asm volatile("{.reg .b64 pol;\n createpolicy.fractional.L2::evict_last.b64 pol, 1.0;\n"
-                   " cp.async.bulk.prefetch.L2.global.L2::cache_hint [%0], %1, pol;}"
-                   :: "l"(src), "r"(n) : "memory");
-    } else {
-      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(src), "r"(n) : "memory");
-    }
-  }
-}
-
 // FMT 0: NVFP4 pages (DQ = dequant form, PIPE 0 = register ping-pong, MODE = diagnostics);
-// FMT 1: FP8 E4M3 pages (cp.async ring only). WARM 1, 2: the twins that warm L2
-// (Params::l2_pf) at the end or the start; the other variants compile without a trace of it.
-template <int MINB, int DQ, int PIPE, int MODE = 0, int PAIR = 0, int FMT = 0, int WARM = 0>
+// FMT 1: FP8 E4M3 pages (cp.async ring only).
+template <int MINB, int DQ, int PIPE, int MODE = 0, int PAIR = 0, int FMT = 0>
 __global__ void __launch_bounds__(128, MINB) decode_kernel(const Params p) {
   extern __shared__ uint4 smem_u4[];
   uint8_t* smem = reinterpret_cast<uint8_t*>(smem_u4);
@@ -263,12 +237,6 @@ __global__ void __launch_bounds__(128, MINB) decode_kernel(const Params p) {
   const float qk = p.qk_scale * __ldg(p.k_gs);
   typedef typename std::conditional<FMT == 1, Fp8Fmt, Nvfp4Fmt<DQ>>::type F;
   uint8_t* ring = smem + warp * (PIPE > 0 ? PIPE : 1) * F::kStage;
-  const auto warm = [&]() {
-    if (p.l2_pf != nullptr)
-      l2_warm(p.l2_pf, p.l2_pf_bytes, p.l2_pf_last, ((long long)(b * gridDim.y + h) * gridDim.x
-              + c) * kWarps + warp, (long long)gridDim.x * gridDim.y * gridDim.z * kWarps, lane);
-  };
-  if (WARM == 2) warm();
   if constexpr (PAIR == 1 && PIPE > 0) {
     warp_pairs_pipe<F, PIPE>(p, b, h, seq_len, t_lo, t_hi, lane, ring, q_loader, qk, st);
   } else {
@@ -282,7 +250,6 @@ __global__ void __launch_bounds__(128, MINB) decode_kernel(const Params p) {
     }
   }
   combine_warps(p, b, h, c, lane, warp, smem, (FMT == 1 ? 1.f : 128.f) * __ldg(p.v_gs), st);
-  if (WARM == 1) warm();
   if (p.counters != nullptr && p.nsplit > 1) {
     const SplitOut a{p.counters, p.part_o, p.part_ml, p.out, p.o_b, p.o_h, p.out_dtype,
                      p.nsplit, p.group, p.num_kv_heads};
@@ -334,16 +301,15 @@ __global__ void __launch_bounds__(32 * kRedGroups) reduce_kernel(
   store_out(out, oi, out_dtype, lsum > 0.f ? acc / lsum : 0.f);
 }
 
-// variant = 1000000 * WARM + 100000 * FMT + 10000 * PAIR + 1000 * MODE + 100 * PIPE + 10 * DQ
-// + MINB: WARM = the L2 warm-up twins of the default variants (1 at the end, 2 at the start),
+// variant = 100000 * FMT + 10000 * PAIR + 1000 * MODE + 100 * PIPE + 10 * DQ + MINB:
 // FMT = page format (0 NVFP4, 1 FP8 E4M3), PAIR = two tiles per step, MODE = diagnostic
 // (1 loads only, 2 compute only), PIPE = cp.async stages per warp (0: register ping-pong),
 // DQ = dequant form, MINB = CTAs per SM for the register cap.
-#define NIBBLE_VARIANTS(X) X(4, 0, 0, 0, 0, 0, 0) X(4, 2, 0, 0, 0, 0, 0) X(4, 0, 4, 0, 1, 0, 0) \
-  X(4, 2, 4, 0, 1, 0, 0) X(4, 0, 0, 1, 0, 0, 0) X(4, 0, 0, 2, 0, 0, 0) X(3, 0, 4, 0, 1, 1, 0)  \
-  X(4, 0, 4, 0, 1, 1, 0) X(4, 0, 3, 0, 0, 1, 0) X(4, 0, 2, 0, 0, 1, 0) X(2, 0, 6, 0, 1, 1, 0)  \
-  X(5, 2, 4, 0, 1, 0, 0) X(6, 2, 4, 0, 1, 0, 0) X(4, 2, 4, 0, 1, 0, 1) X(2, 0, 6, 0, 1, 1, 1)  \
-  X(4, 2, 4, 0, 1, 0, 2) X(2, 0, 6, 0, 1, 1, 2)
+#define NIBBLE_VARIANTS(X) X(4, 0, 0, 0, 0, 0) X(4, 2, 0, 0, 0, 0) X(4, 0, 4, 0, 1, 0) \
+  X(4, 2, 4, 0, 1, 0) X(4, 0, 0, 1, 0, 0) X(4, 0, 0, 2, 0, 0) X(3, 0, 4, 0, 1, 1)        \
+  X(4, 0, 4, 0, 1, 1) X(4, 0, 3, 0, 0, 1) X(4, 0, 2, 0, 0, 1) X(2, 0, 6, 0, 1, 1)        \
+  X(5, 2, 4, 0, 1, 0) X(6, 2, 4, 0, 1, 0) X(4, 3, 4, 0, 1, 0)        \
+  X(4, 4, 4, 0, 1, 0) X(4, 2, 6, 0, 1, 0) X(3, 2, 6, 0, 1, 0) X(3, 2, 8, 0, 1, 0)
 
 static int smem_bytes(int pipe, int fmt) {
   const int ring = kWarps * pipe * (fmt == 1 ? kStage8 : kStageBytes);
@@ -352,16 +318,16 @@ static int smem_bytes(int pipe, int fmt) {
 
 // The kernel of `variant` with its dynamic shared-memory limit raised once; null if unknown.
 static const void* kernel_of(int variant, int* smem) {
-#define NIBBLE_FN(M, Q, P, D, R, F, W)                                                     \
-  if (variant == 1000000 * W + 100000 * F + 10000 * R + 1000 * D + 100 * P + 10 * Q + M) {  \
+#define NIBBLE_FN(M, Q, P, D, R, F)                                                        \
+  if (variant == 100000 * F + 10000 * R + 1000 * D + 100 * P + 10 * Q + M) {                \
     static bool ready = false;                                                              \
     *smem = smem_bytes(P, F);                                                               \
     if (!ready) {                                                                           \
-      cudaFuncSetAttribute(decode_kernel<M, Q, P, D, R, F, W>,                              \
+      cudaFuncSetAttribute(decode_kernel<M, Q, P, D, R, F>,                                 \
                            cudaFuncAttributeMaxDynamicSharedMemorySize, *smem);             \
       ready = true;                                                                         \
     }                                                                                       \
-    return (const void*)decode_kernel<M, Q, P, D, R, F, W>;                                 \
+    return (const void*)decode_kernel<M, Q, P, D, R, F>;                                    \
   }
   NIBBLE_VARIANTS(NIBBLE_FN)
 #undef NIBBLE_FN

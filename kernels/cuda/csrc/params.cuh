@@ -18,10 +18,6 @@ struct Params {
   // Fused combine (null counters: the reduce kernel combines the splits instead): one int32
   // per (sequence, KV head), zero before the launch and left zero by it; out [B, Hq, 128].
   int* counters; void* out; long long o_b, o_h; int out_dtype;  // out element strides
-  // L2 warm-up (null: none): bytes [0, l2_pf_bytes) of l2_pf, 16-byte aligned, a multiple of
-  // 16 bytes (the next kernel's operand), prefetched into L2 by the CTAs as they finish;
-  // l2_pf_last: with the evict_last priority.
-  const uint8_t* l2_pf; long long l2_pf_bytes; int l2_pf_last;
 };
 struct StoreParams {                                    // NVFP4 quantize-and-store
   const void* k; const void* v; long long k_t, k_h, v_t, v_h;  // [T, H, D], element strides

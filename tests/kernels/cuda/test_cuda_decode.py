@@ -9,7 +9,6 @@ rounding).
 
 from __future__ import annotations
 
-import itertools
 
 import pytest
 import torch
@@ -227,56 +226,6 @@ def test_pdl_after_the_qkv_kernel_reads_its_writes(fmt):
     assert not torch.equal(before.cpu(), outs[0])      # the new token matters to the output
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not HAS_SM90, reason="needs an sm_90 GPU")
-@pytest.mark.parametrize("fmt", ["nvfp4", "fp8_e4m3"])
-def test_the_l2_warm_up_changes_no_byte_and_leaves_its_tensor_alone(fmt):
-    """l2_prefetch only prefetches: with any size (under one 16-byte unit, odd, larger than
-    the L2), place (end, start), priority, split count, eagerly or replayed, the output is
-    the plain launch's and the prefetched tensor keeps its bytes."""
-    layout, pool, tables, lens, q = _case((5, 64, 33, 1000), 16, 2, 4, seed=8, fmt=fmt)
-    dev = torch.device("cuda")
-    plain = {n: _run(layout, pool, tables, lens, q, num_splits=n) for n in (1, 3, 20)}
-    for nbytes in (15, 1000, 33 << 20, 80 << 20):
-        warm = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=dev)
-        kept = warm.clone()
-        for at, last, splits in itertools.product(("end", "start"), (False, True), (1, 3, 20)):
-            got = _run(layout, pool, tables, lens, q, num_splits=splits, l2_prefetch=warm,
-                       l2_evict_last=last, l2_prefetch_at=at)
-            assert torch.equal(got, plain[splits]), (nbytes, at, last, splits)
-        assert torch.equal(warm, kept)
-    view = layout.layer_view(pool.to(dev), 1)
-    out = torch.full(q.shape, float("nan"), device=dev)
-    args = (layout, view, q.to(dev), tables.to(dev), lens.to(dev), 128 ** -0.5, K_SCALE, V_SCALE)
-    w = torch.empty(4096, 4096, dtype=torch.bfloat16, device=dev)
-    kw = dict(out=out, num_splits=3, l2_prefetch=w, l2_prefetch_at="start")
-    decode_attention_cuda(*args, **kw)                  # first launch off the graph
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        decode_attention_cuda(*args, **kw)
-    out.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out.cpu(), plain[3])
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not HAS_SM90, reason="needs an sm_90 GPU")
-@pytest.mark.parametrize("make,message", [
-    (lambda: torch.empty(64, 64), "must be on"),
-    (lambda: torch.empty(64, 64, device="cuda").t(), "contiguous"),
-    (lambda: torch.empty(64, dtype=torch.uint8, device="cuda")[1:], "16-byte aligned"),
-    (lambda: torch.empty(64, device="cuda"), "warm-up twin"),       # with variant 24
-])
-def test_rejects_a_bad_l2_prefetch_tensor(make, message):
-    layout, _, q, tables, lens = _cpu_args()
-    view = layout.layer_view(layout.allocate(4, "cuda"), 0)
-    variant = 24 if message == "warm-up twin" else None
-    with pytest.raises(KernelInputError, match=message):
-        decode_attention_cuda(layout, view, q.cuda(), tables.cuda(), lens.cuda(), 0.1,
-                              l2_prefetch=make(), variant=variant)
-
-
 # ---------------------------------------------------------------- CPU: checks, no build
 
 def _cpu_args(fmt="nvfp4", d=128, s=16, h=2, hq=8, q_dtype=torch.bfloat16):
@@ -322,7 +271,6 @@ def test_import_builds_nothing():
     (dict(num_splits=0), "num_splits"),
     (dict(fmt="fp8_e4m3", variant=VARIANTS[0]), "variant must be one of"),
     (dict(variant=FP8_VARIANTS[0]), "variant must be one of"),
-    (dict(l2_prefetch_at="middle"), "l2_prefetch_at must be one of"),
 ])
 def test_rejects_bad_options_on_gpu(kwargs, message):
     layout, view, q, tables, lens = _cpu_args(fmt=kwargs.pop("fmt", "nvfp4"))

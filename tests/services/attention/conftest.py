@@ -25,7 +25,7 @@ def make_engine_with(model, backend: str, kv: str = "bf16", device: str = "cpu",
                      num_pages: int = 64, page_size: int = 16, prefill_kv_dtype: str = "auto",
                      graph_max_bs: int | None = None, use_graphs: bool = False,
                      disable_fused_kernels: bool = True, overlap: bool = False,
-                     disable_pdl: bool = False, decode_l2_warm: str = "off",
+                     disable_pdl: bool = False,
                      **sched) -> EngineCore:
     """A real EngineCore (through the server's builder) with the named attention backend;
     pool and runner on ``device``; no tier manager, the K recipe left to the test; the
@@ -36,8 +36,7 @@ def make_engine_with(model, backend: str, kv: str = "bf16", device: str = "cpu",
     else its eager static-buffer path)."""
     dev = DeviceConfig(device=device, attention_backend=backend,
                        disable_cuda_graph=not use_graphs, cuda_graph_max_bs=graph_max_bs or 1,
-                       disable_fused_kernels=disable_fused_kernels, disable_pdl=disable_pdl,
-                       decode_l2_warm=decode_l2_warm)
+                       disable_fused_kernels=disable_fused_kernels, disable_pdl=disable_pdl)
     cfg = engine_config(kv, num_pages, page_size, prefill_kv_dtype, device=dev, **sched)
     inject = Injected(calibrate=False, use_l1_tiers=False, overlap=overlap,
                       static_decode_path=graph_max_bs is not None)
