@@ -1,12 +1,10 @@
 """CUDA decode kernel forms side by side: variants x split counts, one pool, CUDA graphs
 (one H200).
 
-The NVFP4 decode kernel is bound by integer issue (ncu: the ALU pipe 61% busy on average and
-saturated in bursts; docs/benchmarks.md, "Sixth sitting"), so two things can still move it:
-fewer ALU-pipe instructions per tile (variant 10434: the E2M1 expansion's right shift as an
-IMAD.HI on the FMA pipe, the K scales' halves taken by the HMUL2 operand instead of a byte
-permute), and an even load over the SMs (one wave of 4 splits x 128 (sequence, KV head)
-pairs is 512 CTAs on 528 slots; 33 splits make 8 full waves).
+A/B of decode-kernel variants (``--variants``, from ``kernels/cuda/decode.py``'s lists) and
+of the split count: one wave of resident CTAs (the default), and with ``--whole-waves`` the
+fewest splits whose CTAs fill whole waves (one wave at 16 x 32K is 4 splits x 128 (sequence,
+KV head) pairs = 512 CTAs on 528 slots; 33 splits make 8 full waves).
 
 Per (format, batch): every form is first checked against the fp32 reference (relative
 error), then timed as a 36-layer graph of the decode alone (the one layer's pages re-read by
@@ -114,7 +112,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--variants", type=int, nargs="+", default=[10424, 10434])
+    ap.add_argument("--variants", type=int, nargs="+", default=[10424])
     ap.add_argument("--fp8-variants", type=int, nargs="+", default=[110602])
     ap.add_argument("--whole-waves", action="store_true",
                     help="also time each variant at the fewest splits filling whole waves")

@@ -35,11 +35,7 @@ MIN_TILES_PER_WARP = 4
 # cap (CTAs per SM): 4 -> 128 registers. 10404 and 4 are the dequant-0 references of 10424
 # and 24 (same loops, one LOP3 more per 8 codes). 10425 and 10426: the register-cap
 # route (5 / 6 CTAs per SM: 96 / 80 registers, 148 / 312 bytes spilled, 20 / 24 warps per SM).
-# Under measurement (bench/decode_forms.py): dequant 3 (10434) = dequant 2 with fewer ALU-pipe
-# instructions (the right shift as an IMAD.HI on the FMA pipe, the K scales' halves chosen by
-# the HMUL2 operand), dequant 4 (10444) the latter alone; 10624 a 6-stage ring (two pairs in
-# flight), 10623 / 10823 3 CTAs per SM (168 registers) with 6 / 8 stages.
-VARIANTS = (10424, 24, 10404, 4, 10425, 10426, 10434, 10444, 10624, 10623, 10823)
+VARIANTS = (10424, 24, 10404, 4, 10425, 10426)
 # FP8 E4M3 pages (100000 + the same fields; cp.async rings only): 110602 two tiles per step,
 # 6 stages (two pairs in flight), 2 CTAs per SM; 110403 / 110404 4 stages, 168 / 128-register
 # caps; 100304 / 100204 one tile per step, 3 / 2 stages.

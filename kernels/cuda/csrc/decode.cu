@@ -308,8 +308,7 @@ __global__ void __launch_bounds__(32 * kRedGroups) reduce_kernel(
 #define NIBBLE_VARIANTS(X) X(4, 0, 0, 0, 0, 0) X(4, 2, 0, 0, 0, 0) X(4, 0, 4, 0, 1, 0) \
   X(4, 2, 4, 0, 1, 0) X(4, 0, 0, 1, 0, 0) X(4, 0, 0, 2, 0, 0) X(3, 0, 4, 0, 1, 1)        \
   X(4, 0, 4, 0, 1, 1) X(4, 0, 3, 0, 0, 1) X(4, 0, 2, 0, 0, 1) X(2, 0, 6, 0, 1, 1)        \
-  X(5, 2, 4, 0, 1, 0) X(6, 2, 4, 0, 1, 0) X(4, 3, 4, 0, 1, 0)        \
-  X(4, 4, 4, 0, 1, 0) X(4, 2, 6, 0, 1, 0) X(3, 2, 6, 0, 1, 0) X(3, 2, 8, 0, 1, 0)
+  X(5, 2, 4, 0, 1, 0) X(6, 2, 4, 0, 1, 0)
 
 static int smem_bytes(int pipe, int fmt) {
   const int ring = kWarps * pipe * (fmt == 1 ? kStage8 : kStageBytes);

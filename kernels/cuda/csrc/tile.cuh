@@ -79,17 +79,6 @@ __device__ __forceinline__ uint32_t hmul2(uint32_t a, uint32_t b) {
   __half2 z = __hmul2(x, y);
   return *reinterpret_cast<uint32_t*>(&z);
 }
-// a * {b.lo, b.lo} and a * {b.hi, b.hi}: ptxas takes the half from the HMUL2 operand.
-__device__ __forceinline__ uint32_t hmul2_lo(uint32_t a, uint32_t b) {
-  __half2 x = *reinterpret_cast<__half2*>(&a), y = *reinterpret_cast<__half2*>(&b);
-  __half2 z = __hmul2(x, __low2half2(y));
-  return *reinterpret_cast<uint32_t*>(&z);
-}
-__device__ __forceinline__ uint32_t hmul2_hi(uint32_t a, uint32_t b) {
-  __half2 x = *reinterpret_cast<__half2*>(&a), y = *reinterpret_cast<__half2*>(&b);
-  __half2 z = __hmul2(x, __high2half2(y));
-  return *reinterpret_cast<uint32_t*>(&z);
-}
 __device__ __forceinline__ uint32_t bcast_lo(uint32_t a) { return __byte_perm(a, 0, 0x1010); }
 __device__ __forceinline__ uint32_t bcast_hi(uint32_t a) { return __byte_perm(a, 0, 0x3232); }
 __device__ __forceinline__ uint32_t pack_h2(float lo, float hi) {
@@ -115,14 +104,8 @@ __device__ __forceinline__ uint32_t and_b32(uint32_t a, uint32_t b) {
 // built (s << 7 | m << 1, exactly value * 2^-14 with the subnormal code 1) and placed over a
 // zero low byte with a byte permute. DQ 0: 4 LOP3 + 3 shifts + 4 PRMT per 8 codes (as the
 // compiler emits the plain expression); DQ 2: 3 LOP3 + 3 shifts + 4 PRMT, one sign word
-// shared by both nibble halves; DQ 3: DQ 2 with the right shift on the FMA pipe (below);
-// DQ 4: DQ 2 (both also take the K scales' halves from the HMUL2 operand, tile_scores).
-// (An E4M3-byte form widened by cvt.rn.f16x2.e4m3x2 was 1-2% slower and was removed.)
-// 2^29 in constant memory: w >> 3 as the high word of w * 2^29 (DQ 3) runs on the FMA pipe
-// (IMAD.HI) instead of the ALU pipe, which the E2M1 expansion saturates; a literal would be
-// folded back into a shift.
-__constant__ uint32_t kShr3 = 1u << 29;
-
+// shared by both nibble halves. (An E4M3-byte form widened by cvt.rn.f16x2.e4m3x2 was 1-2%
+// slower and was removed.)
 template <int DQ>
 __device__ __forceinline__ void dq8(uint32_t w, uint32_t (&r)[4]) {
   uint32_t l, h;
@@ -135,7 +118,7 @@ __device__ __forceinline__ void dq8(uint32_t w, uint32_t (&r)[4]) {
     // falls under the magnitude field and is dropped).
     const uint32_t s8 = and_b32(w, 0x88888888u);
     l = lop3_sel(s8 << 4, w << 1, 0x0E0E0E0Eu);
-    h = lop3_sel(s8, DQ == 3 ? __umulhi(w, kShr3) : w >> 3, 0x0E0E0E0Eu);
+    h = lop3_sel(s8, w >> 3, 0x0E0E0E0Eu);
   }
   r[0] = __byte_perm(l, 0, 0x1404);
   r[1] = __byte_perm(l, 0, 0x3424);
@@ -232,9 +215,7 @@ __device__ __forceinline__ void tile_scores(const Tile& x, const uint32_t (&qf)[
                                             float (&s)[4]) {
   const uint32_t k128 = ScaleMul<DQ>::kH2;
   const uint32_t sa = hmul2(e4m3x2_f16x2(x.ks[0]), k128), sb = hmul2(e4m3x2_f16x2(x.ks[1]), k128);
-  // DQ 3 and 4: the scale's half chosen by the HMUL2 operand (.H0_H0 / .H1_H1), no byte permute
-  const uint32_t sa0 = DQ >= 3 ? sa : bcast_lo(sa), sa1 = DQ >= 3 ? sa : bcast_hi(sa);
-  const uint32_t sb0 = DQ >= 3 ? sb : bcast_lo(sb), sb1 = DQ >= 3 ? sb : bcast_hi(sb);
+  const uint32_t sa0 = bcast_lo(sa), sa1 = bcast_hi(sa), sb0 = bcast_lo(sb), sb1 = bcast_hi(sb);
   const uint32_t wa[4] = {x.k[0].x, x.k[0].y, x.k[0].z, x.k[0].w};
   const uint32_t wb[4] = {x.k[1].x, x.k[1].y, x.k[1].z, x.k[1].w};
   float e[4] = {0.f, 0.f, 0.f, 0.f}, o[4] = {0.f, 0.f, 0.f, 0.f};
@@ -245,14 +226,7 @@ __device__ __forceinline__ void tile_scores(const Tile& x, const uint32_t (&qf)[
     dq8<DQ>(wb[m], rb);
     const uint32_t sca = m < 2 ? sa0 : sa1, scb = m < 2 ? sb0 : sb1;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      if (DQ >= 3) {
-        ra[i] = m < 2 ? hmul2_lo(ra[i], sca) : hmul2_hi(ra[i], sca);
-        rb[i] = m < 2 ? hmul2_lo(rb[i], scb) : hmul2_hi(rb[i], scb);
-      } else {
-        ra[i] = hmul2(ra[i], sca); rb[i] = hmul2(rb[i], scb);
-      }
-    }
+    for (int i = 0; i < 4; ++i) { ra[i] = hmul2(ra[i], sca); rb[i] = hmul2(rb[i], scb); }
     mma16816(e, ra[0], rb[0], ra[2], rb[2], qf[2 * m][0], qf[2 * m][1]);
     mma16816(o, ra[1], rb[1], ra[3], rb[3], qf[2 * m + 1][0], qf[2 * m + 1][1]);
   }
