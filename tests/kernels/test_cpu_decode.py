@@ -87,6 +87,16 @@ def test_long_rows_and_far_apart_scores(q_gain):
     assert torch.allclose(got, want, rtol=1e-4, atol=1e-4), (got - want).abs().max()
 
 
+@pytest.mark.parametrize("hi", [14, 15, 16, 31, 47, 80])
+def test_rows_at_the_batched_score_groups(hi):
+    """The AVX512 scores come 16 positions at a time: rows of 15, 16, 17, 32, 48 and 81
+    positions (a group cut short, whole groups, one past) over 4-position pages."""
+    lay, pool, kw = _case(1, [hi], "shift", True, seed=hi)
+    want = decode_nvfp4_ref(lay, pool.clone(), 1, **kw)
+    got = decode_nvfp4_cpu(lay, pool, 1, **kw)
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-4), (got - want).abs().max()
+
+
 def test_quantizer_is_bit_identical_on_edge_values():
     """Every E2M1 tie, zeros, -0, subnormal and saturating scales: the C store writes
     ``quantize_nvfp4``'s bytes."""

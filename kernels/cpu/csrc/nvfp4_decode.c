@@ -148,23 +148,12 @@ static inline const uint8_t *page_run(const uint8_t *pool, int64_t page_stride,
 }
 
 /* Scores of the G query rows q [G][D] against one K row (sm_scale applied), or one V
- * row's weighted add into out [G][D] (w [G]); the row read from its page. */
+ * row's weighted add into out [G][D] (w [G]); the row read from its page. (AVX512 with
+ * G <= 8 takes k_scores_batched instead.) */
 static inline void k_scores(const float *q, int g, int d, const uint8_t *codes,
                             const uint8_t *scales, float gs, float sm_scale, float *row,
                             float *sc, int64_t stride) {
-#ifdef __AVX512F__
-    __m512 acc[8];
-    if (g <= 8) {
-        for (int i = 0; i < g; i++) acc[i] = _mm512_setzero_ps();
-        for (int b0 = 0; b0 < d; b0 += BLOCK) {
-            __m512 v = dequant_block(codes + b0 / 2, E4M3[scales[b0 / BLOCK]], gs);
-            for (int i = 0; i < g; i++)
-                acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(q + i * d + b0), v, acc[i]);
-        }
-        for (int i = 0; i < g; i++) sc[i * stride] = _mm512_reduce_add_ps(acc[i]) * sm_scale;
-        return;
-    }
-#elif defined(NB_AVX2)
+#if !defined(__AVX512F__) && defined(NB_AVX2)
     if (g <= 8) { k_scores8(q, g, d, codes, scales, E4M3, gs, sm_scale, sc, stride); return; }
 #endif
     dequant_row(codes, scales, d, gs, row);
@@ -265,6 +254,60 @@ static void v_sum_blocks(const float *w, int64_t n, int g, int d, int s, const u
 }
 #endif
 
+#ifdef __AVX512F__
+/* Lane m of the result = the sum of v[m]'s 16 lanes: 16 horizontal sums in 45 instructions
+ * (pairwise unpacks, then 128-bit lane shuffles), against about 8 for each one alone. */
+static inline __m512 hsum16(const __m512 *v) {
+    __m512 s1[8], s2[4];
+    for (int k = 0; k < 8; k++)          /* lane L: [a02, b02, a13, b13] of v[2k], v[2k+1] */
+        s1[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]),
+                              _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+    for (int k = 0; k < 4; k++) {        /* lane L: the lane-L sums of v[4k .. 4k+3] */
+        __m512d c = _mm512_castps_pd(s1[2 * k]), e = _mm512_castps_pd(s1[2 * k + 1]);
+        s2[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(c, e)),
+                              _mm512_castpd_ps(_mm512_unpackhi_pd(c, e)));
+    }
+    __m512 u0 = _mm512_add_ps(_mm512_shuffle_f32x4(s2[0], s2[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                              _mm512_shuffle_f32x4(s2[0], s2[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    __m512 u1 = _mm512_add_ps(_mm512_shuffle_f32x4(s2[2], s2[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                              _mm512_shuffle_f32x4(s2[2], s2[3], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(u0, u1, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(u0, u1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* The scores of the G <= 8 query rows q [G][D] against K rows lo..hi into sc [G][n] (row
+ * stride n), sm_scale applied: each row's 16-lane products go to acc [G][16] per position,
+ * and every 16 positions one hsum16 per query row gives 16 scores at once. */
+static void k_scores_batched(const float *q, int g, int d, int s, const uint8_t *pool,
+                             int64_t page_stride, const int64_t *sec, const int64_t *pages,
+                             int h, int64_t lo, int64_t hi, float gs, float sm_scale, float *sc,
+                             int64_t n) {
+    __m512 acc[8][16];
+    int cb = d / 2, sb = d / BLOCK, t = 0;
+    const __m512 scale = _mm512_set1_ps(sm_scale);
+    for (int64_t p = lo, j = 0, r, end; p <= hi;) {
+        const uint8_t *page = page_run(pool, page_stride, pages, s, h, p, hi, &r, &end);
+        const uint8_t *kc = page + sec[0] + r * cb, *ks = page + sec[2] + r * sb;
+        for (; p < end; p++, j++, kc += cb, ks += sb) {
+            for (int i = 0; i < g; i++) acc[i][t] = _mm512_setzero_ps();
+            for (int b0 = 0; b0 < d; b0 += BLOCK) {
+                __m512 v = dequant_block(kc + b0 / 2, E4M3[ks[b0 / BLOCK]], gs);
+                for (int i = 0; i < g; i++)
+                    acc[i][t] = _mm512_fmadd_ps(_mm512_loadu_ps(q + i * d + b0), v, acc[i][t]);
+            }
+            if (++t < 16 && p < hi) continue;
+            const __mmask16 keep = (__mmask16)((1u << t) - 1u);
+            for (int i = 0; i < g; i++) {       /* lanes past t sum stale slots: not stored */
+                for (int u = t; u < 16; u++) acc[i][u] = _mm512_setzero_ps();
+                _mm512_mask_storeu_ps(sc + i * n + j + 1 - t, keep,
+                                      _mm512_mul_ps(hsum16(acc[i]), scale));
+            }
+            t = 0;
+        }
+    }
+}
+#endif
+
 /* One query row's scores sc [n] -> softmax weights, in place. */
 static void softmax_row(float *sc, int64_t n) {
     float sum = 0.0f;
@@ -308,6 +351,12 @@ static void attend(const float *q, int g, int d, int s, const uint8_t *pool, int
                    float *out) {
     int64_t n = hi - lo + 1;
     int cb = d / 2, sb = d / BLOCK;
+#ifdef __AVX512F__
+    if (g <= 8)
+        k_scores_batched(q, g, d, s, pool, page_stride, sec, pages, h, lo, hi, gs_k, sm_scale,
+                         scores, n);
+    else
+#endif
     for (int64_t p = lo, j = 0, r, end; p <= hi;) {          /* page by page */
         const uint8_t *page = page_run(pool, page_stride, pages, s, h, p, hi, &r, &end);
         for (; p < end; p++, j++, r++)
