@@ -148,14 +148,11 @@ static inline const uint8_t *page_run(const uint8_t *pool, int64_t page_stride,
 }
 
 /* Scores of the G query rows q [G][D] against one K row (sm_scale applied), or one V
- * row's weighted add into out [G][D] (w [G]); the row read from its page. (AVX512 with
- * G <= 8 takes k_scores_batched instead.) */
+ * row's weighted add into out [G][D] (w [G]); the row read from its page. (AVX512 and AVX2
+ * with G <= 8 take k_scores_batched instead.) */
 static inline void k_scores(const float *q, int g, int d, const uint8_t *codes,
                             const uint8_t *scales, float gs, float sm_scale, float *row,
                             float *sc, int64_t stride) {
-#if !defined(__AVX512F__) && defined(NB_AVX2)
-    if (g <= 8) { k_scores8(q, g, d, codes, scales, E4M3, gs, sm_scale, sc, stride); return; }
-#endif
     dequant_row(codes, scales, d, gs, row);
     for (int i = 0; i < g; i++) sc[i * stride] = dot(q + i * d, row, d) * sm_scale;
 }
@@ -308,6 +305,38 @@ static void k_scores_batched(const float *q, int g, int d, int s, const uint8_t 
 }
 #endif
 
+#if !defined(__AVX512F__) && defined(NB_AVX2)
+/* The AVX2 form of k_scores_batched: 8 positions a group, one hsum8x8 per query row. */
+static void k_scores_batched(const float *q, int g, int d, int s, const uint8_t *pool,
+                             int64_t page_stride, const int64_t *sec, const int64_t *pages,
+                             int h, int64_t lo, int64_t hi, float gs, float sm_scale, float *sc,
+                             int64_t n) {
+    __m256 acc[8][8];
+    int cb = d / 2, sb = d / BLOCK, t = 0;
+    const __m256 scale = _mm256_set1_ps(sm_scale);
+    for (int64_t p = lo, j = 0, r, end; p <= hi;) {
+        const uint8_t *page = page_run(pool, page_stride, pages, s, h, p, hi, &r, &end);
+        const uint8_t *kc = page + sec[0] + r * cb, *ks = page + sec[2] + r * sb;
+        for (; p < end; p++, j++, kc += cb, ks += sb) {
+            for (int i = 0; i < g; i++) acc[i][t] = _mm256_setzero_ps();
+            for (int e0 = 0; e0 < d; e0 += 8) {
+                __m256 v = dequant8(kc + e0 / 2, E4M3[ks[e0 / BLOCK]], gs);
+                for (int i = 0; i < g; i++)
+                    acc[i][t] = _mm256_fmadd_ps(_mm256_loadu_ps(q + i * d + e0), v, acc[i][t]);
+            }
+            if (++t < 8 && p < hi) continue;
+            for (int i = 0; i < g; i++) {       /* lanes past t sum stale slots: not stored */
+                for (int u = t; u < 8; u++) acc[i][u] = _mm256_setzero_ps();
+                float out[8];
+                _mm256_storeu_ps(out, _mm256_mul_ps(hsum8x8(acc[i]), scale));
+                memcpy(sc + i * n + j + 1 - t, out, sizeof(float) * (size_t)t);
+            }
+            t = 0;
+        }
+    }
+}
+#endif
+
 /* One query row's scores sc [n] -> softmax weights, in place. */
 static void softmax_row(float *sc, int64_t n) {
     float sum = 0.0f;
@@ -351,7 +380,7 @@ static void attend(const float *q, int g, int d, int s, const uint8_t *pool, int
                    float *out) {
     int64_t n = hi - lo + 1;
     int cb = d / 2, sb = d / BLOCK;
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(NB_AVX2)
     if (g <= 8)
         k_scores_batched(q, g, d, s, pool, page_stride, sec, pages, h, lo, hi, gs_k, sm_scale,
                          scores, n);
