@@ -1,8 +1,11 @@
-"""The C kernels' build: ``$NIBBLE_CPU_MARCH`` and the AVX2 paths on an AVX512 machine."""
+"""The C kernels' build: every source compiles, ``$NIBBLE_CPU_MARCH``, and the AVX2 paths on an
+AVX512 machine."""
 
 from __future__ import annotations
 
 import os
+import platform
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +27,26 @@ def test_march_comes_from_the_environment(monkeypatch):
         monkeypatch.setenv(build.MARCH_ENV, bad)
         with pytest.raises(ValueError, match="not an -march value"):
             build.cflags()
+
+
+COMPILER = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+@pytest.mark.skipif(COMPILER is None, reason="no C compiler")
+@pytest.mark.parametrize("march", ["native", "x86-64-v3", "x86-64"])
+def test_every_source_compiles(tmp_path, monkeypatch, march):
+    """Where a compiler exists, every csrc/*.c builds, for this CPU, for AVX2 and for plain
+    x86-64. At run time a failed build falls back to the torch path, so the kernel tests
+    would only skip: a compile error has to fail here, with the compiler's message."""
+    if march != "native" and platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("an x86 -march")
+    monkeypatch.setenv(build.MARCH_ENV, march)
+    for source in sorted(build.CSRC_DIR.glob("*.c")):
+        try:
+            build._compile(COMPILER, source, tmp_path / f"{source.stem}.so")
+        except subprocess.CalledProcessError as exc:
+            pytest.fail(f"{source.name} (-march={march}) does not compile:\n{exc.stderr[-3000:]}")
+        assert (tmp_path / f"{source.stem}.so").stat().st_size > 0
 
 
 @pytest.mark.skipif(not available(), reason="no C compiler")

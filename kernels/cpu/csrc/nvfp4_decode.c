@@ -271,64 +271,57 @@ static inline __m512 hsum16(const __m512 *v) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(u0, u1, _MM_SHUFFLE(2, 0, 2, 0)),
                          _mm512_shuffle_f32x4(u0, u1, _MM_SHUFFLE(3, 1, 3, 1)));
 }
-
-/* The scores of the G <= 8 query rows q [G][D] against K rows lo..hi into sc [G][n] (row
- * stride n), sm_scale applied: each row's 16-lane products go to acc [G][16] per position,
- * and every 16 positions one hsum16 per query row gives 16 scores at once. */
-static void k_scores_batched(const float *q, int g, int d, int s, const uint8_t *pool,
-                             int64_t page_stride, const int64_t *sec, const int64_t *pages,
-                             int h, int64_t lo, int64_t hi, float gs, float sm_scale, float *sc,
-                             int64_t n) {
-    __m512 acc[8][16];
-    int cb = d / 2, sb = d / BLOCK, t = 0;
-    const __m512 scale = _mm512_set1_ps(sm_scale);
-    for (int64_t p = lo, j = 0, r, end; p <= hi;) {
-        const uint8_t *page = page_run(pool, page_stride, pages, s, h, p, hi, &r, &end);
-        const uint8_t *kc = page + sec[0] + r * cb, *ks = page + sec[2] + r * sb;
-        for (; p < end; p++, j++, kc += cb, ks += sb) {
-            for (int i = 0; i < g; i++) acc[i][t] = _mm512_setzero_ps();
-            for (int b0 = 0; b0 < d; b0 += BLOCK) {
-                __m512 v = dequant_block(kc + b0 / 2, E4M3[ks[b0 / BLOCK]], gs);
-                for (int i = 0; i < g; i++)
-                    acc[i][t] = _mm512_fmadd_ps(_mm512_loadu_ps(q + i * d + b0), v, acc[i][t]);
-            }
-            if (++t < 16 && p < hi) continue;
-            const __mmask16 keep = (__mmask16)((1u << t) - 1u);
-            for (int i = 0; i < g; i++) {       /* lanes past t sum stale slots: not stored */
-                for (int u = t; u < 16; u++) acc[i][u] = _mm512_setzero_ps();
-                _mm512_mask_storeu_ps(sc + i * n + j + 1 - t, keep,
-                                      _mm512_mul_ps(hsum16(acc[i]), scale));
-            }
-            t = 0;
-        }
-    }
-}
 #endif
 
-#if !defined(__AVX512F__) && defined(NB_AVX2)
-/* The AVX2 form of k_scores_batched: 8 positions a group, one hsum8x8 per query row. */
+#if defined(__AVX512F__) || defined(NB_AVX2)
+/* One vector of NB_W floats: 16 with AVX512, 8 with AVX2 (k_scores_batched below). */
+#ifdef __AVX512F__
+#define NB_W 16
+typedef __m512 nb_vec;
+#define NB_ZERO() _mm512_setzero_ps()
+#define NB_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define NB_LOAD(p) _mm512_loadu_ps(p)
+#define NB_STORE(p, v) _mm512_storeu_ps(p, v)
+#define NB_SCALE(v, x) _mm512_mul_ps(v, _mm512_set1_ps(x))
+#define NB_DEQUANT(codes, scale, gs) dequant_block(codes, scale, gs)
+#define NB_HSUM(v) hsum16(v)
+#else
+#define NB_W 8
+typedef __m256 nb_vec;
+#define NB_ZERO() _mm256_setzero_ps()
+#define NB_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define NB_LOAD(p) _mm256_loadu_ps(p)
+#define NB_STORE(p, v) _mm256_storeu_ps(p, v)
+#define NB_SCALE(v, x) _mm256_mul_ps(v, _mm256_set1_ps(x))
+#define NB_DEQUANT(codes, scale, gs) dequant8(codes, scale, gs)
+#define NB_HSUM(v) hsum8x8(v)
+#endif
+
+/* The scores of the G <= 8 query rows q [G][D] against K rows lo..hi into sc [G][n] (row
+ * stride n), sm_scale applied: each row's NB_W-lane products go to acc [G][NB_W] per
+ * position, and every NB_W positions one NB_HSUM per query row gives NB_W scores at once
+ * (instead of a horizontal sum per position and row). */
 static void k_scores_batched(const float *q, int g, int d, int s, const uint8_t *pool,
                              int64_t page_stride, const int64_t *sec, const int64_t *pages,
                              int h, int64_t lo, int64_t hi, float gs, float sm_scale, float *sc,
                              int64_t n) {
-    __m256 acc[8][8];
+    nb_vec acc[8][NB_W];
     int cb = d / 2, sb = d / BLOCK, t = 0;
-    const __m256 scale = _mm256_set1_ps(sm_scale);
     for (int64_t p = lo, j = 0, r, end; p <= hi;) {
         const uint8_t *page = page_run(pool, page_stride, pages, s, h, p, hi, &r, &end);
         const uint8_t *kc = page + sec[0] + r * cb, *ks = page + sec[2] + r * sb;
         for (; p < end; p++, j++, kc += cb, ks += sb) {
-            for (int i = 0; i < g; i++) acc[i][t] = _mm256_setzero_ps();
-            for (int e0 = 0; e0 < d; e0 += 8) {
-                __m256 v = dequant8(kc + e0 / 2, E4M3[ks[e0 / BLOCK]], gs);
+            for (int i = 0; i < g; i++) acc[i][t] = NB_ZERO();
+            for (int e0 = 0; e0 < d; e0 += NB_W) {
+                nb_vec v = NB_DEQUANT(kc + e0 / 2, E4M3[ks[e0 / BLOCK]], gs);
                 for (int i = 0; i < g; i++)
-                    acc[i][t] = _mm256_fmadd_ps(_mm256_loadu_ps(q + i * d + e0), v, acc[i][t]);
+                    acc[i][t] = NB_FMA(NB_LOAD(q + i * d + e0), v, acc[i][t]);
             }
-            if (++t < 8 && p < hi) continue;
+            if (++t < NB_W && p < hi) continue;
             for (int i = 0; i < g; i++) {       /* lanes past t sum stale slots: not stored */
-                for (int u = t; u < 8; u++) acc[i][u] = _mm256_setzero_ps();
-                float out[8];
-                _mm256_storeu_ps(out, _mm256_mul_ps(hsum8x8(acc[i]), scale));
+                float out[NB_W];
+                for (int u = t; u < NB_W; u++) acc[i][u] = NB_ZERO();
+                NB_STORE(out, NB_SCALE(NB_HSUM(acc[i]), sm_scale));
                 memcpy(sc + i * n + j + 1 - t, out, sizeof(float) * (size_t)t);
             }
             t = 0;
