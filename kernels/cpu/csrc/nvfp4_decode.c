@@ -318,7 +318,7 @@ static void k_scores_batched(const float *q, int g, int d, int s, const uint8_t 
                     acc[i][t] = NB_FMA(NB_LOAD(q + i * d + e0), v, acc[i][t]);
             }
             if (++t < NB_W && p < hi) continue;
-            for (int i = 0; i < g; i++) {       /* lanes past t sum stale slots: not stored */
+            for (int i = 0; i < g; i++) {       /* slots past t: zeroed, their lanes not stored */
                 float out[NB_W];
                 for (int u = t; u < NB_W; u++) acc[i][u] = NB_ZERO();
                 NB_STORE(out, NB_SCALE(NB_HSUM(acc[i]), sm_scale));
