@@ -8,7 +8,6 @@ encode to their single id; ``decode`` skips them by default.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Iterable, Mapping

@@ -50,7 +50,7 @@ def run_steps(windows, steps, seed=0):
     results = []
     for step in steps:
         seqs = sorted(step)
-        starts, lens, cached, slots, qs, ks, vs = [], [], [], [], [], [], []
+        starts, lens, cached, slots = [], [], [], []
         pos = 0
         for s in seqs:
             c, n = (hist[s][0][0].shape[0] if s in hist else 0), step[s]
