@@ -40,7 +40,12 @@ def lm():
     return load_model(None, torch.float32, torch.device("cpu"))
 
 
-def _generate(lm, specs: dict[str, GrammarSpec], max_tokens=96) -> dict[str, str]:
+# The forced grammars end after one call and bound its length (strings up to 20 characters,
+# up to 3 days, one whitespace character between tokens), so max_tokens only has to cover the
+# longest call the grammar admits. 96 did not: a sample with a newline at most allowed places
+# and a 20-character city ran out just before `</tool_call>` (which sample comes depends on
+# the logits' last bits, and the C attention's summation order moves those).
+def _generate(lm, specs: dict[str, GrammarSpec], max_tokens=256) -> dict[str, str]:
     cfg = NibbleConfig(cache=CacheConfig(kv_cache_dtype="nvfp4", max_total_tokens=4096),
                        device=DeviceConfig(device="cpu"))
     eng = build_engine_core(lm.model, lm.tokenizer, cfg, inject=Injected(calibrate=False))
