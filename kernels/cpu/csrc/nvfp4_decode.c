@@ -180,78 +180,6 @@ static inline void v_accumulate(const float *w, int64_t stride, int g, int d,
 
 
 #ifdef __AVX512F__
-/* out [G][D] = sum over positions lo..hi of w[i * n + j] * V_j, one 16-wide block of D at a
- * time with the G accumulators in registers (G <= 8): the same fmas in the same token order
- * as v_accumulate from a zeroed out, so bit for bit the same sums, without loading and
- * storing out once per token. */
-static inline void v_sum_blocks_g(const float *w, int64_t n, int g, int d, int s,
-                                  const uint8_t *pool, int64_t page_stride, const int64_t *sec,
-                                  const int64_t *pages, int h, int64_t lo, int64_t hi, float gs,
-                                  float *out) {
-    int cb = d / 2, sb = d / BLOCK;
-    for (int b0 = 0; b0 < d; b0 += BLOCK) {
-        __m512 acc[8];
-        for (int i = 0; i < g; i++) acc[i] = _mm512_setzero_ps();
-        for (int64_t p = lo, j = 0, r, end; p <= hi;) {
-            const uint8_t *page = page_run(pool, page_stride, pages, s, h, p, hi, &r, &end);
-            const uint8_t *vc = page + sec[1] + r * cb + b0 / 2;
-            const uint8_t *vs = page + sec[3] + r * sb + b0 / BLOCK;
-            for (; p < end; p++, j++, vc += cb, vs += sb) {
-                __m512 v = dequant_block(vc, E4M3[*vs], gs);
-                for (int i = 0; i < g; i++)
-                    acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(w[i * n + j]), v, acc[i]);
-            }
-        }
-        for (int i = 0; i < g; i++) _mm512_storeu_ps(out + i * d + b0, acc[i]);
-    }
-}
-#elif defined(NB_AVX2)
-/* The AVX2 form: 8 values of D at a time, G <= 8 accumulators. */
-static inline void v_sum_blocks_g(const float *w, int64_t n, int g, int d, int s,
-                                  const uint8_t *pool, int64_t page_stride, const int64_t *sec,
-                                  const int64_t *pages, int h, int64_t lo, int64_t hi, float gs,
-                                  float *out) {
-    int cb = d / 2, sb = d / BLOCK;
-    for (int e0 = 0; e0 < d; e0 += 8) {
-        __m256 acc[8];
-        for (int i = 0; i < g; i++) acc[i] = _mm256_setzero_ps();
-        for (int64_t p = lo, j = 0, r, end; p <= hi;) {
-            const uint8_t *page = page_run(pool, page_stride, pages, s, h, p, hi, &r, &end);
-            const uint8_t *vc = page + sec[1] + r * cb + e0 / 2;
-            const uint8_t *vs = page + sec[3] + r * sb + e0 / BLOCK;
-            for (; p < end; p++, j++, vc += cb, vs += sb) {
-                __m256 v = dequant8(vc, E4M3[*vs], gs);
-                for (int i = 0; i < g; i++)
-                    acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(w[i * n + j]), v, acc[i]);
-            }
-        }
-        for (int i = 0; i < g; i++) _mm256_storeu_ps(out + i * d + e0, acc[i]);
-    }
-}
-#endif
-
-#if defined(__AVX512F__) || defined(NB_AVX2)
-
-/* The group sizes of common models as constants, so the accumulators stay in registers. */
-static void v_sum_blocks(const float *w, int64_t n, int g, int d, int s, const uint8_t *pool,
-                         int64_t page_stride, const int64_t *sec, const int64_t *pages, int h,
-                         int64_t lo, int64_t hi, float gs, float *out) {
-#define NB_V_SUM(G) v_sum_blocks_g(w, n, G, d, s, pool, page_stride, sec, pages, h, lo, hi, gs, out)
-    switch (g) {
-    case 1: NB_V_SUM(1); break;
-    case 2: NB_V_SUM(2); break;
-    case 3: NB_V_SUM(3); break;
-    case 4: NB_V_SUM(4); break;
-    case 5: NB_V_SUM(5); break;
-    case 6: NB_V_SUM(6); break;
-    case 7: NB_V_SUM(7); break;
-    default: NB_V_SUM(8); break;
-    }
-#undef NB_V_SUM
-}
-#endif
-
-#ifdef __AVX512F__
 /* Lane m of the result = the sum of v[m]'s 16 lanes: 16 horizontal sums in 45 instructions
  * (pairwise unpacks, then 128-bit lane shuffles), against about 8 for each one alone. */
 static inline __m512 hsum16(const __m512 *v) {
@@ -274,7 +202,8 @@ static inline __m512 hsum16(const __m512 *v) {
 #endif
 
 #if defined(__AVX512F__) || defined(NB_AVX2)
-/* One vector of NB_W floats: 16 with AVX512, 8 with AVX2 (k_scores_batched below). */
+/* One vector of NB_W floats: 16 with AVX512, 8 with AVX2 (v_sum_blocks_g and
+ * k_scores_batched below). */
 #ifdef __AVX512F__
 #define NB_W 16
 typedef __m512 nb_vec;
@@ -283,6 +212,7 @@ typedef __m512 nb_vec;
 #define NB_LOAD(p) _mm512_loadu_ps(p)
 #define NB_STORE(p, v) _mm512_storeu_ps(p, v)
 #define NB_SCALE(v, x) _mm512_mul_ps(v, _mm512_set1_ps(x))
+#define NB_BCAST(x) _mm512_set1_ps(x)
 #define NB_DEQUANT(codes, scale, gs) dequant_block(codes, scale, gs)
 #define NB_HSUM(v) hsum16(v)
 #else
@@ -293,9 +223,53 @@ typedef __m256 nb_vec;
 #define NB_LOAD(p) _mm256_loadu_ps(p)
 #define NB_STORE(p, v) _mm256_storeu_ps(p, v)
 #define NB_SCALE(v, x) _mm256_mul_ps(v, _mm256_set1_ps(x))
+#define NB_BCAST(x) _mm256_set1_ps(x)
 #define NB_DEQUANT(codes, scale, gs) dequant8(codes, scale, gs)
 #define NB_HSUM(v) hsum8x8(v)
 #endif
+
+/* out [G][D] = sum over positions lo..hi of w[i * n + j] * V_j, one NB_W-wide block of D at
+ * a time with the G accumulators in registers (G <= 8): the same fmas in the same token order
+ * as v_accumulate from a zeroed out, so bit for bit the same sums, without loading and
+ * storing out once per token. */
+static inline void v_sum_blocks_g(const float *w, int64_t n, int g, int d, int s,
+                                  const uint8_t *pool, int64_t page_stride, const int64_t *sec,
+                                  const int64_t *pages, int h, int64_t lo, int64_t hi, float gs,
+                                  float *out) {
+    int cb = d / 2, sb = d / BLOCK;
+    for (int e0 = 0; e0 < d; e0 += NB_W) {
+        nb_vec acc[8];
+        for (int i = 0; i < g; i++) acc[i] = NB_ZERO();
+        for (int64_t p = lo, j = 0, r, end; p <= hi;) {
+            const uint8_t *page = page_run(pool, page_stride, pages, s, h, p, hi, &r, &end);
+            const uint8_t *vc = page + sec[1] + r * cb + e0 / 2;
+            const uint8_t *vs = page + sec[3] + r * sb + e0 / BLOCK;
+            for (; p < end; p++, j++, vc += cb, vs += sb) {
+                nb_vec v = NB_DEQUANT(vc, E4M3[*vs], gs);
+                for (int i = 0; i < g; i++) acc[i] = NB_FMA(NB_BCAST(w[i * n + j]), v, acc[i]);
+            }
+        }
+        for (int i = 0; i < g; i++) NB_STORE(out + i * d + e0, acc[i]);
+    }
+}
+
+/* The group sizes of common models as constants, so the accumulators stay in registers. */
+static void v_sum_blocks(const float *w, int64_t n, int g, int d, int s, const uint8_t *pool,
+                         int64_t page_stride, const int64_t *sec, const int64_t *pages, int h,
+                         int64_t lo, int64_t hi, float gs, float *out) {
+#define NB_V_SUM(G) v_sum_blocks_g(w, n, G, d, s, pool, page_stride, sec, pages, h, lo, hi, gs, out)
+    switch (g) {
+    case 1: NB_V_SUM(1); break;
+    case 2: NB_V_SUM(2); break;
+    case 3: NB_V_SUM(3); break;
+    case 4: NB_V_SUM(4); break;
+    case 5: NB_V_SUM(5); break;
+    case 6: NB_V_SUM(6); break;
+    case 7: NB_V_SUM(7); break;
+    default: NB_V_SUM(8); break;
+    }
+#undef NB_V_SUM
+}
 
 /* The scores of the G <= 8 query rows q [G][D] against K rows lo..hi into sc [G][n] (row
  * stride n), sm_scale applied: each row's NB_W-lane products go to acc [G][NB_W] per
